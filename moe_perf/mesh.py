@@ -1,0 +1,103 @@
+"""Mesh arithmetic shared by the runner (before launch) and the trainer (at start-up).
+
+One value object owns pp, cp, ep, the world size and the inferred dp, and checks every
+prerequisite of a run. Its errors show the arithmetic and name the override to change.
+Pure Python: importable without torch or Hydra.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MeshError(ValueError):
+    """A mesh, batch or sequence setting that cannot run; the message names the override."""
+
+
+@dataclass(frozen=True)
+class MeshDims:
+    world: int
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree, inferred: world / (pp * cp). Never a config field."""
+        return self.world // (self.pp * self.cp)
+
+    @property
+    def dp_cp(self) -> int:
+        """Size of the data x context group that EP is folded into: world / pp."""
+        return self.world // self.pp
+
+    @property
+    def edp(self) -> int:
+        """What remains of data x context after EP: the experts' FSDP degree."""
+        return self.dp_cp // self.ep
+
+    def check_layout(self) -> None:
+        for name, value in (("mesh.pp", self.pp), ("mesh.cp", self.cp), ("mesh.ep", self.ep)):
+            if value < 1:
+                raise MeshError(f"{name}={value} must be >= 1: change {name}")
+        if self.world < 1:
+            raise MeshError(
+                f"world size {self.world} must be >= 1: change mesh.nnodes or mesh.nproc_per_node"
+            )
+        if self.world % self.pp:
+            raise MeshError(
+                f"world % pp == 0 fails: world {self.world} % mesh.pp={self.pp} = "
+                f"{self.world % self.pp}; change mesh.pp or mesh.nproc_per_node"
+            )
+        for name, value in (("mesh.cp", self.cp), ("mesh.ep", self.ep)):
+            if self.dp_cp % value:
+                raise MeshError(
+                    f"{name}={value} must divide world/pp = {self.world}/{self.pp} = "
+                    f"{self.dp_cp}; change {name} (or mesh.pp, mesh.nproc_per_node)"
+                )
+
+    def check_sequence(self, sequence_length: int) -> None:
+        if sequence_length % (2 * self.cp):
+            raise MeshError(
+                f"sequence_length % (2*cp) == 0 fails: {sequence_length} % (2*{self.cp}) = "
+                f"{sequence_length % (2 * self.cp)}; change training.sequence_length or mesh.cp"
+            )
+
+    def check_batch(self, global_batch: int, micro_batch: int = 1) -> None:
+        dp = self.dp
+        if global_batch % dp:
+            raise MeshError(
+                f"training.global_batch={global_batch} must be divisible by dp = world/(pp*cp) = "
+                f"{self.world}/({self.pp}*{self.cp}) = {dp}; change training.global_batch"
+            )
+        local = global_batch // dp
+        if local < 2 * self.pp:
+            raise MeshError(
+                f"global_batch/dp >= 2*pp fails: {global_batch}/{dp} = {local} < 2*{self.pp}; "
+                f"change training.global_batch (or mesh.pp)"
+            )
+        if micro_batch < 1 or local % micro_batch:
+            raise MeshError(
+                f"training.micro_batch={micro_batch} must divide global_batch/dp = {local}; "
+                f"change training.micro_batch"
+            )
+
+    def check_experts(self, num_experts: int) -> None:
+        if num_experts % self.ep:
+            raise MeshError(
+                f"experts % ep == 0 fails: model.num_experts={num_experts} % mesh.ep={self.ep} "
+                f"= {num_experts % self.ep}; change mesh.ep"
+            )
+
+    def validate(
+        self, *, sequence_length: int, global_batch: int, micro_batch: int, num_experts: int
+    ) -> None:
+        """All mesh prerequisites, in the order a user would fix them."""
+        self.check_layout()
+        self.check_sequence(sequence_length)
+        self.check_batch(global_batch, micro_batch)
+        self.check_experts(num_experts)
+
+    def tag(self, sequence_length: int, dtype: str) -> str:
+        """`pp2-dp8-cp1-ep8-seq2048-bf16`: every dimension, defaults included."""
+        return f"pp{self.pp}-dp{self.dp}-cp{self.cp}-ep{self.ep}-seq{sequence_length}-{dtype}"
