@@ -1,0 +1,49 @@
+"""Run a function on N CPU processes joined in a gloo process group (for distributed tests).
+
+`run_distributed(fn, world_size, *args)` spawns `world_size` processes, each calling
+`fn(rank, world_size, *args)` after `init_process_group("gloo")`; an exception on any rank fails
+the caller with that rank's traceback. `fn` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    # Several ranks share two cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    # A clean finish leaves at once: the interpreter-exit abort seen after
+    # destroy_process_group() (REFERENCE section 6) must not fail a passing test.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
