@@ -1,0 +1,198 @@
+"""Context parallel: zig-zag sequence sharding and exact causal attention across the cp group.
+
+The sequence of length T is cut into 2*cp chunks of C = T / (2*cp) tokens; cp rank r holds
+chunks r and 2*cp-1-r. Under a causal mask, chunk c costs c+1 chunk-pairs of attention, so every
+rank does (r+1) + (2*cp-r) = 2*cp+1 of them: the work is balanced.
+
+Attention: each rank all-gathers K and V of the whole sequence (one collective per layer, K and
+V packed together) and runs its local queries against them with a causal mask built from GLOBAL
+positions; backward reduce-scatters the K/V gradients (the adjoint of the all-gather). This is
+exact, not an approximation. Torch's built-in `context_parallel` has no CPU path (REFERENCE §6),
+hence our own. Memory: each rank holds the full K/V of one layer at a time (Hkv heads only).
+
+Legend: B batch, H query heads, G kv heads, T local sequence, S full (gathered) sequence,
+D head dim, E value head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+# torch 2.13 renamed the single-tensor collectives; the GPU image (torch 2.11) has the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# Zig-zag sharding
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two global chunk indices that cp rank `rank` holds, in local order."""
+    return rank, 2 * cp - 1 - rank
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global positions (int64, shape [seq_len / cp]) of the tokens cp rank `rank` holds."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2*cp = {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    first, second = zigzag_chunks(cp, rank)
+    return torch.cat(
+        [
+            torch.arange(first * chunk, (first + 1) * chunk, device=device),
+            torch.arange(second * chunk, (second + 1) * chunk, device=device),
+        ]
+    )
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """The zig-zag shard of `x` along `dim` (tokens, labels or positions) for cp rank `rank`."""
+    if cp == 1:
+        return x
+    chunks = x.chunk(2 * cp, dim=dim)
+    if len(chunks) != 2 * cp or x.shape[dim] % (2 * cp):
+        raise ValueError(f"size {x.shape[dim]} along dim {dim} is not divisible by 2*cp = {2 * cp}")
+    first, second = zigzag_chunks(cp, rank)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard_sequence`: shards of cp ranks 0..cp-1 back to the full sequence."""
+    cp = len(shards)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        first, second = zigzag_chunks(cp, rank)
+        chunks[first], chunks[second] = shard.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
+def shard_batch(
+    tokens_BT: torch.Tensor, labels_BT: torch.Tensor, cp: int, rank: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This cp rank's tokens, labels and global positions (for RoPE and the causal mask).
+
+    Labels are sharded exactly like tokens, so each rank's loss is over its own tokens; the
+    mean over the cp group equals the full-sequence mean because every rank holds T/cp tokens.
+    """
+    B, T = tokens_BT.shape
+    positions_T = zigzag_positions(T, cp, rank, device=tokens_BT.device)
+    positions_BT = positions_T.unsqueeze(0).expand(B, -1)
+    return (
+        shard_sequence(tokens_BT, cp, rank),
+        shard_sequence(labels_BT, cp, rank),
+        positions_BT,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence all-gather with an exact backward
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along dim 0 across `group`; backward sums the gradients and keeps our slice."""
+
+    @staticmethod
+    def forward(ctx, x_T: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        x_T = x_T.contiguous()
+        out_S = x_T.new_empty((world * x_T.shape[0], *x_T.shape[1:]))
+        _all_gather_single(out_S, x_T, group=group)
+        return out_S
+
+    @staticmethod
+    def backward(ctx, grad_S: torch.Tensor):
+        world = dist.get_world_size(ctx.group)
+        grad_S = grad_S.contiguous()
+        grad_T = grad_S.new_empty((grad_S.shape[0] // world, *grad_S.shape[1:]))
+        # Every rank's queries used our K/V: their gradients are summed where our slice lives.
+        _reduce_scatter_single(grad_T, grad_S, group=ctx.group)
+        return grad_T, None
+
+
+def gather_sequence(x_BHTD: torch.Tensor, group) -> torch.Tensor:
+    """[B, H, T, D] on each rank -> [B, H, cp*T, D], rank-major (rank 0's tokens first)."""
+    x_TBHD = x_BHTD.permute(2, 0, 1, 3)
+    return _GatherSequence.apply(x_TBHD, group).permute(1, 2, 0, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+
+
+@functools.lru_cache(maxsize=16)
+def _key_positions(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Global positions of the gathered keys, in gather (rank-major, zig-zag) order."""
+    return torch.cat([zigzag_positions(seq_len, cp, r, device=device) for r in range(cp)])
+
+
+def _natural_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
+    """Index that reorders gathered keys (rank-major) into position order."""
+    return torch.argsort(_key_positions(seq_len, cp, device))
+
+
+def cp_attention(
+    q_BHTD: torch.Tensor,
+    k_BGTD: torch.Tensor,
+    v_BGTE: torch.Tensor,
+    positions_T: torch.Tensor,
+    group,
+    *,
+    scale: float | None = None,
+    window: int = 0,
+    flash_friendly: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of this rank's zig-zag queries against the whole sequence's K/V.
+
+    `positions_T`: global positions of the local tokens (from `zigzag_positions`).
+    `window` > 0: sliding window (a query sees keys at most window-1 positions back).
+    `flash_friendly` (default: on CUDA without a window): two SDPA calls, one per local chunk,
+    each against the key prefix it may see with a lower-right causal bias, so that no mask is
+    materialized and flash attention stays eligible; K/V heads are expanded for GQA there
+    because the lower-right kernels do not take `enable_gqa`. Otherwise one SDPA call with an
+    explicit boolean mask (the CPU path).
+    """
+    cp = dist.get_world_size(group)
+    B, H, T, D = q_BHTD.shape
+    G = k_BGTD.shape[1]
+    seq_len = cp * T
+    # One collective for K and V together.
+    kv_BGTX = torch.cat([k_BGTD, v_BGTE], dim=-1)
+    kv_BGSX = gather_sequence(kv_BGTX, group)
+    k_BGSD, v_BGSE = kv_BGSX.split([k_BGTD.shape[-1], v_BGTE.shape[-1]], dim=-1)
+
+    if flash_friendly is None:
+        flash_friendly = q_BHTD.is_cuda and window == 0
+    if flash_friendly:
+        if window:
+            raise ValueError("the flash-friendly path does not support sliding windows")
+        order_S = _natural_order(seq_len, cp, q_BHTD.device)
+        k_BHSD = k_BGSD.index_select(2, order_S).repeat_interleave(H // G, dim=1)
+        v_BHSE = v_BGSE.index_select(2, order_S).repeat_interleave(H // G, dim=1)
+        chunk = T // 2
+        outs = []
+        # Chunk indices from the rank, not from positions_T: reading a GPU tensor would sync.
+        for c, q_BHCD in zip(zigzag_chunks(cp, dist.get_rank(group)), q_BHTD.split(chunk, dim=2)):
+            end = (c + 1) * chunk
+            bias = causal_lower_right(chunk, end)
+            outs.append(
+                F.scaled_dot_product_attention(
+                    q_BHCD, k_BHSD[:, :, :end], v_BHSE[:, :, :end], attn_mask=bias, scale=scale
+                )
+            )
+        return torch.cat(outs, dim=2)
+
+    key_pos_S = _key_positions(seq_len, cp, q_BHTD.device)
+    delta_TS = positions_T.unsqueeze(1) - key_pos_S.unsqueeze(0)
+    mask_TS = delta_TS >= 0
+    if window:
+        mask_TS &= delta_TS < window
+    return F.scaled_dot_product_attention(
+        q_BHTD, k_BGSD, v_BGSE, attn_mask=mask_TS, scale=scale, enable_gqa=G != H
+    )
