@@ -98,7 +98,7 @@ def _check_attention(rank: int, world_size: int) -> None:
             torch.testing.assert_close(
                 out, shard_sequence(ref, cp, cp_rank, 2), rtol=RTOL, atol=ATOL, msg=case
             )
-            for name, g, rg in zip("qkv", grads, ref_grads):
+            for name, g, rg in zip("qkv", grads, ref_grads, strict=True):
                 torch.testing.assert_close(
                     g,
                     shard_sequence(rg, cp, cp_rank, 2),

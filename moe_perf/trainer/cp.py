@@ -178,7 +178,8 @@ def cp_attention(
         chunk = T // 2
         outs = []
         # Chunk indices from the rank, not from positions_T: reading a GPU tensor would sync.
-        for c, q_BHCD in zip(zigzag_chunks(cp, dist.get_rank(group)), q_BHTD.split(chunk, dim=2)):
+        chunk_ids = zigzag_chunks(cp, dist.get_rank(group))
+        for c, q_BHCD in zip(chunk_ids, q_BHTD.split(chunk, dim=2), strict=True):
             end = (c + 1) * chunk
             bias = causal_lower_right(chunk, end)
             outs.append(
