@@ -1,0 +1,166 @@
+"""Log one finished arm to Weights & Biases, outside the timed region.
+
+Interface for the runner (call it after the trainer processes have exited and metrics.json is
+written, so wandb's start-up and network never touch a measured step)::
+
+    from moe_perf.wandb_log import log_arm
+    run_dir = log_arm(record, arm_dir, wandb_cfg)   # -> str | None, never raises
+
+* `record`: the arm's metrics.json dict (schema moe_perf.arm/1): model, tag, arm, repeat, sha,
+  ref, status, steps, summary, environment, config.
+* `arm_dir`: the arm's directory; wandb writes under `<arm_dir>/wandb/`.
+* `wandb_cfg`: the config's `wandb` block (a dict or DictConfig): `mode` (`auto` | `online` |
+  `offline` | `disabled`, default `auto`), `project` (default `moe_perf`), optional `entity`.
+  `auto` is online when an API key is configured (WANDB_API_KEY, or a netrc entry for the
+  wandb host) and offline otherwise; `disabled` does nothing and does not import wandb.
+* Returns the wandb run directory, or None when disabled or when wandb failed (a warning is
+  printed: wandb trouble never fails an arm).
+
+The run: group `performance/<model>` (all meshes of a model side by side, apart from
+correctness runs), name `<tag>-<arm>` (`-r<k>` with repeats, as the arm directory), config =
+the resolved config with secrets redacted, one wandb step per training step, and the arm's
+summary (medians, first step dropped) in the run summary.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+MODES = ("auto", "online", "offline", "disabled")
+STEP_METRICS = ("step_time_s", "tokens_per_s", "peak_mem_gib", "loss", "tflops", "mfu")
+SUMMARY_METRICS = ("steps_measured", "step_time_s", "tokens_per_s", "peak_mem_gib", "tflops", "mfu")
+REDACTED = "<redacted>"
+# Config keys whose values are never logged, whatever they hold.
+_SECRET_KEY_RE = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
+
+
+def _as_dict(cfg: Mapping | None) -> dict:
+    if cfg is None:
+        return {}
+    if not isinstance(cfg, dict):  # a DictConfig: plain containers from here on
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(cfg, resolve=True)
+    return dict(cfg)
+
+
+def _wandb_host() -> str:
+    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+    return urlparse(base_url).hostname or "api.wandb.ai"
+
+
+def api_key() -> str | None:
+    """The configured API key (env first, then netrc), or None. Only ever compared, never shown."""
+    key = os.environ.get("WANDB_API_KEY")
+    if key:
+        return key
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC")).authenticators(_wandb_host())
+    except (OSError, netrc.NetrcParseError):
+        return None
+    return entry[2] if entry and entry[2] else None
+
+
+def resolve_mode(mode: str | None) -> str:
+    """`auto` -> online with an API key, offline without; other modes as given."""
+    mode = (mode or "auto").lower()
+    if mode not in MODES:
+        raise ValueError(f"wandb.mode={mode!r}: choose one of {', '.join(MODES)}")
+    if mode == "auto":
+        return "online" if api_key() else "offline"
+    return mode
+
+
+def redact(value, secrets: tuple[str, ...] = ()):
+    """A copy of a config with secret-looking keys and any secret string replaced."""
+    if isinstance(value, Mapping):
+        return {
+            k: REDACTED if _SECRET_KEY_RE.search(str(k)) and v else redact(v, secrets)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [redact(v, secrets) for v in value]
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, REDACTED)
+    return value
+
+
+def run_name(record: dict, arm_dir: Path) -> str:
+    """`<tag>-<arm>`, plus `-r<k>` where the arm directory carries a repeat index."""
+    name = f"{record.get('tag')}-{record.get('arm')}"
+    if arm_dir.name.startswith(name):
+        return arm_dir.name  # the runner's own choice, repeat suffix included
+    repeat = record.get("repeat") or 0
+    return f"{name}-r{repeat}" if repeat else name
+
+
+def _run_config(record: dict, secrets: tuple[str, ...]) -> dict:
+    config = redact(record.get("config") or {}, secrets)
+    config["moe_perf"] = redact(
+        {k: record.get(k) for k in ("arm", "repeat", "ref", "sha", "status", "environment")},
+        secrets,
+    )
+    return config
+
+
+def _log_run(record: dict, arm_dir: Path, cfg: dict, mode: str) -> str:
+    import wandb  # here, not at module top: `disabled` must not even import it
+
+    secrets = tuple(s for s in (api_key(),) if s)
+    model = record.get("model", "unknown")
+    run = wandb.init(
+        project=cfg.get("project") or "moe_perf",
+        entity=cfg.get("entity") or None,
+        group=f"performance/{model}",
+        job_type="performance",
+        name=run_name(record, arm_dir),
+        tags=[str(model), str(record.get("tag")), str(record.get("arm"))],
+        config=_run_config(record, secrets),
+        dir=str(arm_dir),
+        mode=mode,
+        # No console capture (the arm's log is already saved), no system sampling or code copy:
+        # this is a record of finished numbers, and nothing from the environment should leak.
+        settings=wandb.Settings(
+            console="off", silent=True, save_code=False, x_disable_stats=True, disable_git=True
+        ),
+    )
+    try:
+        for sample in record.get("steps") or []:
+            metrics = {k: sample[k] for k in STEP_METRICS if sample.get(k) is not None}
+            run.log(metrics, step=int(sample["step"]))
+        summary = record.get("summary") or {}
+        for key in SUMMARY_METRICS:
+            if summary.get(key) is not None:
+                run.summary[key] = summary[key]  # medians, not the last step's value
+        run.summary["status"] = record.get("status")
+        return str(Path(run.dir).parent)
+    finally:
+        run.finish(exit_code=0 if record.get("status") == "ok" else 1)
+
+
+def log_arm(record: dict, arm_dir: Path | str, wandb_cfg: Mapping | None) -> str | None:
+    """Log one finished arm; the wandb run directory, or None. Never raises."""
+    arm_dir = Path(arm_dir)
+    try:
+        cfg = _as_dict(wandb_cfg)
+        mode = resolve_mode(cfg.get("mode"))
+        if mode == "disabled":
+            return None
+        return _log_run(record, arm_dir, cfg, mode)
+    except Exception as exc:  # wandb trouble must not fail an arm whose numbers are saved
+        secrets = tuple(s for s in (api_key(),) if s)
+        message = redact(f"{type(exc).__name__}: {exc}", secrets)
+        print(
+            f"[moe_perf] warning: wandb logging of {arm_dir.name} failed ({message}); "
+            "the arm's results in metrics.json are unaffected",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
