@@ -1,0 +1,267 @@
+"""The comparison: summaries, grouping, refusals, repeats, outputs and the CLI.
+
+Arm records are built the way a real arm's are: contract lines written to a console log,
+parsed and summarized by moe_perf's own code, then saved as metrics.json in a sweep layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_perf import compare
+from moe_perf.contract import format_step
+
+TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
+CONFIG = {
+    "model": {"name": "tiny", "num_experts": 8},
+    "mesh": {"nnodes": 1, "nproc_per_node": 2, "pp": 1, "cp": 1, "ep": 2},
+    "training": {"sequence_length": 64, "global_batch": 8, "max_steps": 8},
+    "refs": {"base": "main", "feat": "feature"},
+    "tag": TAG,
+}
+
+
+def write_log(path: Path, step_times: list[float], tokens_per_step: float = 512.0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["some start-up chatter"]
+    for step, t in enumerate(step_times, start=1):
+        line = format_step(
+            step,
+            len(step_times),
+            step_time_s=t,
+            tokens_per_s=tokens_per_step / t,
+            peak_mem_gib=1.25,
+            loss=10.0 - step * 0.1,
+        )
+        lines.append("[rank0]:" + line)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def write_arm(
+    sweep: Path,
+    arm: str,
+    step_times: list[float],
+    *,
+    repeat: int | None = None,
+    tag: str = TAG,
+    model: str = "tiny",
+    sha: str | None = None,
+    config: dict | None = None,
+    **fields,
+) -> Path:
+    """An arm directory as the runner lays it out, with console.log and metrics.json."""
+    name = f"{tag}-{arm}" + (f"-r{repeat}" if repeat is not None else "")
+    arm_dir = sweep / model / name
+    log = write_log(arm_dir / "console.log", step_times)
+    record = compare.record_from_log(log, arm, "contract")
+    record.pop("_path")
+    record.update(
+        model=model,
+        tag=tag,
+        repeat=repeat or 0,
+        ref="main" if arm == "base" else "feature",
+        sha=sha or ("a" * 40 if arm == "base" else "b" * 40),
+        exit_code=0,
+        arm_dir=str(arm_dir),
+        config={**(config or CONFIG), "arm": {"name": arm}, "repeat": repeat or 0},
+    )
+    record.update(fields)
+    (arm_dir / "metrics.json").write_text(json.dumps(record))
+    return arm_dir
+
+
+def flat(values: list[float], first: float = 3.0) -> list[float]:
+    return [first, *values]
+
+
+def test_summarize_drops_first_step_medians_and_peak():
+    steps = [
+        {"step": 2, "step_time_s": 0.5, "tokens_per_s": 100.0, "peak_mem_gib": 2.0, "mfu": None},
+        {"step": 1, "step_time_s": 9.0, "tokens_per_s": 1.0, "peak_mem_gib": 9.0, "mfu": None},
+        {"step": 3, "step_time_s": 0.7, "tokens_per_s": 80.0, "peak_mem_gib": 3.0, "mfu": None},
+        {"step": 4, "step_time_s": 0.6, "tokens_per_s": 90.0, "peak_mem_gib": 1.0, "mfu": None},
+    ]
+    summary = compare.summarize(steps)
+    assert summary["steps_measured"] == 3
+    assert summary["step_time_s"] == 0.6
+    assert summary["tokens_per_s"] == 90.0
+    assert summary["peak_mem_gib"] == 3.0  # maximum of the measured steps, step 1 excluded
+    assert summary["mfu"] is None and summary["tflops"] is None  # unknown stays unknown
+
+
+def test_stability_warning():
+    def steps(times):
+        return [{"step": i, "step_time_s": t} for i, t in enumerate(times, start=1)]
+
+    assert compare.stability_warning(steps([5.0, 1.0, 1.05, 1.02, 0.98])) is None
+    warning = compare.stability_warning(steps([5.0, 1.0, 1.6, 1.0, 1.0]))
+    assert "unstable" in warning and "60%" in warning
+    assert "too few" in compare.stability_warning(steps([5.0, 1.0]))
+
+
+def test_sweep_feat_slower_table_and_files(tmp_path):
+    write_arm(tmp_path, "base", flat([0.40] * 7))
+    write_arm(tmp_path, "feat", flat([0.44] * 7))
+    report, text = compare.compare_sweep(tmp_path)
+
+    (group,) = report["groups"]
+    assert group["status"] == "compared" and not group["aa"]
+    step = group["difference"]["step_time_s"]
+    assert step["pct"] == pytest.approx(10.0) and step["words"] == "slower"
+    assert group["difference"]["tokens_per_s"]["words"] == "slower"
+    assert "| feat vs base |  | +10.00% (slower) | -9.09% (slower) | +0.00% (same)" in text
+    assert "Step time: feat is 10.00% slower than base" in text
+    assert "run-to-run spread is unknown" in text
+    for word in ("PASS", "FAIL", "regression"):
+        assert word not in text
+
+    saved = json.loads((tmp_path / "comparison.json").read_text())
+    assert saved["schema"] == "moe_perf.comparison/1"
+    assert saved["groups"][0]["arms"]["base"]["step_time_s"]["median"] == pytest.approx(0.40)
+    assert (tmp_path / "comparison.md").read_text() == text
+    png = (tmp_path / "comparison.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+
+
+def test_latest_sweep_only_and_previous_ignored(tmp_path):
+    old_base = write_arm(tmp_path, "base", flat([9.0] * 7), sweep_id="old")
+    old_feat = write_arm(tmp_path, "feat", flat([9.0] * 7), tag="other", sweep_id="old")
+    for arm_dir in (old_base, old_feat):
+        os.utime(arm_dir / "metrics.json", (1_000_000, 1_000_000))
+    write_arm(tmp_path / "tiny" / "previous" / "x", "feat", flat([7.0] * 7), sweep_id="new")
+    write_arm(tmp_path, "feat", flat([0.5] * 7), sweep_id="new")
+    # the new sweep's base arm overwrote the old one in place
+    write_arm(tmp_path, "base", flat([0.5] * 7), sweep_id="new")
+
+    records, _ = compare.load_sweep(tmp_path)
+    assert sorted(r["arm"] for r in records) == ["base", "feat"]
+    assert {r["sweep_id"] for r in records} == {"new"}
+    assert all("previous" not in r["_path"] for r in records)
+
+
+def test_config_difference_refuses_with_keys(tmp_path):
+    write_arm(tmp_path, "base", flat([0.4] * 7))
+    other = {**CONFIG, "training": {**CONFIG["training"], "global_batch": 16}}
+    write_arm(tmp_path, "feat", flat([0.4] * 7), config=other)
+    report, text = compare.compare_sweep(tmp_path, write=False)
+
+    (group,) = report["groups"]
+    assert group["status"] == "refused" and group["difference"] == {}
+    assert [d["key"] for d in group["config_differences"]] == ["training.global_batch"]
+    assert "Comparison refused" in text and "`training.global_batch`" in text
+    assert "feat vs base" not in text
+    assert not (tmp_path / "comparison.json").exists()  # write=False
+
+
+def test_arm_and_repeat_keys_do_not_count_as_differences(tmp_path):
+    write_arm(tmp_path, "base", flat([0.4] * 7), repeat=0)
+    write_arm(tmp_path, "feat", flat([0.4] * 7), repeat=1)
+    report, _ = compare.compare_sweep(tmp_path, write=False)
+    assert report["groups"][0]["status"] == "compared"
+
+
+def test_aa_run_is_said(tmp_path):
+    write_arm(tmp_path, "base", flat([0.4] * 7), sha="c" * 40)
+    write_arm(tmp_path, "feat", flat([0.4] * 7), sha="c" * 40)
+    report, text = compare.compare_sweep(tmp_path, write=False)
+    assert report["groups"][0]["aa"]
+    assert "A/A run: base and feat are the same commit cccccccccccc" in text
+
+
+def test_failed_arm_shows_reason_and_log(tmp_path):
+    write_arm(tmp_path, "base", flat([0.4] * 7))
+    feat = write_arm(
+        tmp_path, "feat", [], status="failed", exit_code=1, failure="trainer exited 1: OOM"
+    )
+    report, text = compare.compare_sweep(tmp_path)
+
+    (group,) = report["groups"]
+    assert group["status"] == "incomplete"
+    assert "| feat | failed |" in text
+    assert f"- feat r0 FAILED: trainer exited 1: OOM; log: {feat / 'console.log'}" in text
+    assert "No difference computed: no successful run of feat" in text
+    assert (tmp_path / "comparison.png").stat().st_size > 0  # base still plotted
+
+
+def test_repeats_median_of_medians_and_spread(tmp_path):
+    # Pooling all steps would give a different median than the median of the run medians.
+    # Here: medians 0.30, 0.31, 0.32 -> 0.31; all 21 steps pooled -> 0.32.
+    base_runs = [[t] * 4 + [0.50] * 3 for t in (0.30, 0.31, 0.32)]
+    feat_runs = [[0.42] * 7, [0.43] * 7, [0.44] * 7]
+    for k, (b, f) in enumerate(zip(base_runs, feat_runs, strict=True)):
+        write_arm(tmp_path, "base", flat(b), repeat=k)
+        write_arm(tmp_path, "feat", flat(f), repeat=k)
+    report, text = compare.compare_sweep(tmp_path, write=False)
+
+    base = report["groups"][0]["arms"]["base"]
+    assert base["runs_ok"] == 3
+    assert base["step_time_s"]["median"] == pytest.approx(0.31)
+    assert (base["step_time_s"]["min"], base["step_time_s"]["max"]) == pytest.approx((0.3, 0.32))
+    assert report["groups"][0]["difference"]["step_time_s"]["within_spread"] is False
+    assert "| base | 3 | 0.3100 [0.3000-0.3200]" in text
+    assert "do not overlap" in text
+    assert "Warning: base r2 looks unstable" in text
+
+
+def test_repeats_overlap_said_within_spread(tmp_path):
+    for k, (b, f) in enumerate([(0.40, 0.41), (0.42, 0.40), (0.44, 0.43)]):
+        write_arm(tmp_path, "base", flat([b] * 7), repeat=k)
+        write_arm(tmp_path, "feat", flat([f] * 7), repeat=k)
+    _, text = compare.compare_sweep(tmp_path, write=False)
+    assert "median of 3 base and 3 feat run medians" in text
+    assert "within the run-to-run spread (the min-max ranges overlap)" in text
+
+
+def test_two_meshes_give_two_groups(tmp_path):
+    for tag in (TAG, "pp2-dp1-cp1-ep2-seq64-bf16"):
+        config = {**CONFIG, "tag": tag}
+        write_arm(tmp_path, "base", flat([0.4] * 7), tag=tag, config=config)
+        write_arm(tmp_path, "feat", flat([0.4] * 7), tag=tag, config=config)
+    report, text = compare.compare_sweep(tmp_path)
+    assert [g["tag"] for g in report["groups"]] == [
+        "pp1-dp2-cp1-ep2-seq64-bf16",
+        "pp2-dp1-cp1-ep2-seq64-bf16",
+    ]
+    assert all(g["status"] == "compared" for g in report["groups"])
+    assert text.count("| feat vs base |") == 2
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moe_perf.compare", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_two_logs_same_numbers_as_sweep(tmp_path):
+    base = write_arm(tmp_path / "sweep", "base", flat([0.40, 0.41, 0.39, 0.40, 0.42, 0.40, 0.40]))
+    feat = write_arm(tmp_path / "sweep", "feat", flat([0.44, 0.45, 0.43, 0.44, 0.44, 0.46, 0.44]))
+    _, sweep_text = compare.compare_sweep(tmp_path / "sweep", write=False)
+    diff_row = next(line for line in sweep_text.splitlines() if line.startswith("| feat vs base"))
+
+    logs = run_cli(str(base / "console.log"), str(feat / "console.log"), "--out", str(tmp_path))
+    assert logs.returncode == 0, logs.stderr
+    assert diff_row in logs.stdout
+    assert (tmp_path / "comparison.png").stat().st_size > 0
+
+    records = run_cli(str(base / "metrics.json"), str(feat / "metrics.json"))
+    assert records.returncode == 0, records.stderr
+    assert diff_row in records.stdout and "tiny" in records.stdout
+
+    sweep = run_cli(str(tmp_path / "sweep"), "--no-write")
+    assert sweep.returncode == 0 and sweep.stdout == sweep_text
+
+
+def test_cli_missing_file_is_a_message(tmp_path):
+    result = run_cli(str(tmp_path / "nope.log"), str(tmp_path / "nope2.log"))
+    assert result.returncode == 2
+    assert "moe_perf.compare:" in result.stderr and "Traceback" not in result.stderr
