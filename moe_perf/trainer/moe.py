@@ -115,7 +115,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, clamp: float) -> torch.Tensor:
 
 
 def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """torch._grouped_mm needs every row stride a multiple of 16 bytes, and bf16 on CUDA."""
+    """torch._grouped_mm needs row strides that are multiples of 16 bytes; bf16 on CUDA."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.is_cuda and x.dtype != torch.bfloat16:
@@ -137,6 +137,7 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.swiglu_clamp = swiglu_clamp
+        self.backend = "auto"  # auto: _grouped_mm where it runs, else loop | grouped_mm | loop
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn, dim))
@@ -152,7 +153,9 @@ class GroupedExperts(nn.Module):
             # _grouped_mm has no autocast rule: cast by hand to the autocast dtype.
             dt = torch.get_autocast_dtype(x_ND.device.type)
             x_ND, w1, w2, w3 = x_ND.to(dt), w1.to(dt), w2.to(dt), w3.to(dt)
-        if _grouped_mm_ok(x_ND, w1, w2, w3):
+        use_grouped = self.backend == "grouped_mm" or (
+            self.backend == "auto" and _grouped_mm_ok(x_ND, w1, w2, w3))
+        if use_grouped:
             # Rows past offsets[-1] come back uninitialised; there are none here (N = sum).
             offsets_L = torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32)
             h_NF = swiglu(torch._grouped_mm(x_ND, w1, offs=offsets_L),

@@ -1,0 +1,187 @@
+"""Single-device decoder-only MoE transformer built from a model config.
+
+Embedding -> layers (RMSNorm, GQA attention with RoPE, RMSNorm, dense SwiGLU or MoE) ->
+RMSNorm -> untied head. Distribution (EP, FSDP, PP, CP, compile) is applied from outside in
+parallelize.py: layers live in a ModuleDict keyed by index so a pipeline stage can drop layers
+and keep parameter names, `tok_embeddings`/`norm`/`output` may be set to None on middle stages,
+and `Attention.attend` can be replaced by a context-parallel attention.
+
+Shape legend: B sequences, S positions (on this rank), D hidden, H query heads, G kv heads,
+Dh q/k head dim, Dv v head dim, R rotary dims (<= Dh), V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe_perf.trainer.config import ModelConfig
+from moe_perf.trainer.moe import FeedForward, MoE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+
+
+def rotary_dims(head_dim: int, fraction: float) -> int:
+    """Rotated dims (even): partial RoPE rotates the first fraction of each head."""
+    return 2 * int(round(head_dim * fraction / 2))
+
+
+def rope_cos_sin(positions_BS: torch.Tensor, rot_dims: int, theta: float):
+    """cos, sin [B, 1, S, R/2] in fp32 for the given absolute positions (CP passes zig-zag)."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, rot_dims, 2, device=positions_BS.device, dtype=torch.float32) / rot_dims)
+    angles_BSR = positions_BS.float().unsqueeze(-1) * inv_freq
+    return angles_BSR.cos().unsqueeze(1), angles_BSR.sin().unsqueeze(1)
+
+
+def apply_rope(x_BHSd: torch.Tensor, cos, sin) -> torch.Tensor:
+    """Rotate-half RoPE (GPT-NeoX/Llama-HF layout) on the first R dims of each head."""
+    R = cos.shape[-1] * 2
+    rot, rest = x_BHSd[..., :R], x_BHSd[..., R:]
+    x1, x2 = rot.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BHSd.dtype)
+    return torch.cat([rotated, rest], dim=-1) if rest.shape[-1] else rotated
+
+
+def causal_attention(q_BHSd, k_BGSd, v_BGSv) -> torch.Tensor:
+    """Causal GQA attention; SDPA picks flash/cuDNN kernels on GPU."""
+    return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSv, is_causal=True,
+                                          enable_gqa=q_BHSd.shape[1] != k_BGSd.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, m: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv = m.num_heads, m.num_kv_heads
+        self.head_dim = m.head_dim
+        self.v_head_dim = m.v_head_dim or m.head_dim
+        self.rot_dims = rotary_dims(m.head_dim, m.rope_fraction)
+        self.rope_theta = m.rope_theta
+        self.wq = nn.Linear(m.hidden, m.num_heads * m.head_dim, bias=False)
+        self.wk = nn.Linear(m.hidden, m.num_kv_heads * m.head_dim, bias=False)
+        self.wv = nn.Linear(m.hidden, m.num_kv_heads * self.v_head_dim, bias=False)
+        self.wo = nn.Linear(m.num_heads * self.v_head_dim, m.hidden, bias=False)
+        self.q_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
+        self.k_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
+        self.attend = causal_attention  # context parallel swaps this
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for w in (self.wq, self.wk, self.wv):
+            nn.init.trunc_normal_(w.weight, std=std)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std)
+        for n in (self.q_norm, self.k_norm):
+            if n is not None:
+                n.init_weights()
+
+    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        q_BHSd = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        k_BGSd = self.wk(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
+        v_BGSv = self.wv(x_BSD).view(B, S, self.n_kv, self.v_head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q_BHSd, k_BGSd = self.q_norm(q_BHSd), self.k_norm(k_BGSd)
+        if self.rot_dims:
+            cos, sin = rope_cos_sin(positions_BS, self.rot_dims, self.rope_theta)
+            q_BHSd, k_BGSd = apply_rope(q_BHSd, cos, sin), apply_rope(k_BGSd, cos, sin)
+        o_BHSv = self.attend(q_BHSd, k_BGSd, v_BGSv)
+        return self.wo(o_BHSv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_head_dim))
+
+
+class Block(nn.Module):
+    def __init__(self, m: ModelConfig, layer_id: int, force_balance: bool, balance_ep: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(m.hidden, m.norm_eps)
+        self.attention = Attention(m)
+        self.ffn_norm = RMSNorm(m.hidden, m.norm_eps)
+        self.moe_enabled = layer_id >= m.dense_layers
+        if self.moe_enabled:
+            self.ffn = MoE(
+                m.hidden, m.num_experts, m.top_k, m.expert_ffn, router=m.router,
+                norm_topk_prob=m.norm_topk_prob, router_bias=m.router_bias,
+                num_shared_experts=m.num_shared_experts, shared_expert_ffn=m.shared_expert_ffn,
+                shared_expert_gate=m.shared_expert_gate, swiglu_clamp=m.swiglu_clamp,
+                load_balance=m.load_balance, load_balance_coeff=m.load_balance_coeff,
+                force_balance=force_balance, balance_ep=balance_ep)
+        else:
+            self.ffn = FeedForward(m.hidden, m.dense_ffn, m.swiglu_clamp)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(std, out_std)
+        self.ffn.init_weights(std, out_std)
+
+    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), positions_BS)
+        return h_BSD + self.ffn(self.ffn_norm(h_BSD))
+
+
+class Transformer(nn.Module):
+    """model(tokens_BS, positions_BS=None) -> logits_BSV.
+
+    On a middle pipeline stage (tok_embeddings None) the input is hidden states x_BSD; on a
+    stage without `output` the result is hidden states.
+    """
+
+    def __init__(self, m: ModelConfig, force_balance: bool = False, balance_ep: int = 1):
+        super().__init__()
+        self.config = m
+        self.tok_embeddings = nn.Embedding(m.vocab_size, m.hidden)
+        self.layers = nn.ModuleDict(
+            {str(i): Block(m, i, force_balance, balance_ep) for i in range(m.num_layers)})
+        self.norm = RMSNorm(m.hidden, m.norm_eps)
+        self.output = nn.Linear(m.hidden, m.vocab_size, bias=False)
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Normal(0, std) everywhere; residual output projections scaled by 1/sqrt(2*layers)
+        (GPT-2); the head by 1/sqrt(hidden). Uses the global RNG: seed before calling."""
+        out_std = std / math.sqrt(2 * max(1, self.config.num_layers))
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=1.0)
+        for block in self.layers.values():
+            block.init_weights(std, out_std)
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None:
+            nn.init.trunc_normal_(self.output.weight, std=self.config.hidden ** -0.5)
+
+    def forward(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None = None):
+        h_BSD = self.tok_embeddings(tokens_BS) if self.tok_embeddings is not None else tokens_BS
+        if positions_BS is None:
+            B, S = h_BSD.shape[:2]
+            positions_BS = torch.arange(S, device=h_BSD.device).expand(B, S)
+        for block in self.layers.values():
+            h_BSD = block(h_BSD, positions_BS)
+        if self.norm is not None:
+            h_BSD = self.norm(h_BSD)
+        return self.output(h_BSD) if self.output is not None else h_BSD
+
+
+def build_model(m: ModelConfig, *, seed: int, force_balance: bool, balance_ep: int = 1,
+                device: torch.device | str = "cpu", init_std: float = 0.02) -> Transformer:
+    """The full model, initialised from `seed` on `device`: identical on every rank."""
+    with torch.device(device):
+        model = Transformer(m, force_balance=force_balance, balance_ep=balance_ep)
+    torch.manual_seed(seed)
+    model.init_weights(init_std)
+    return model
+
+
+def cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())
