@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -65,6 +66,36 @@ def check_nodes(alloc: Mapping[str, Any], nnodes: int) -> None:
             f"{alloc['nnodes']} ({alloc['nodelist']}): allocate with `salloc -N {nnodes}` "
             "(or `#SBATCH --nodes`), or choose a smaller mesh"
         )
+
+
+def check_allocation(nnodes: int, env: Mapping[str, str] | None = None) -> None:
+    """The prerequisite of launcher=slurm: inside an allocation with the mesh's nodes, srun here.
+
+    Skipped in the process that submits the sweep with hydra/launcher=moe_perf_slurm: each arm
+    gets its allocation from its own job, where this check runs again.
+    """
+    env = os.environ if env is None else env
+    if _submitting_with_submitit(env):
+        return
+    check_nodes(allocation(env), nnodes)
+    if shutil.which("srun") is None:
+        raise SlurmLaunchError("launcher=slurm: `srun` is not on PATH; use launcher=local")
+
+
+def _submitting_with_submitit(env: Mapping[str, str]) -> bool:
+    """True in the Hydra process that submits jobs through a submitit launcher (not in a job).
+
+    submitit's sbatch script exports SUBMITIT_EXECUTOR, so a job is told apart from its submitter.
+    """
+    if env.get("SUBMITIT_EXECUTOR"):
+        return False
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        target = str(HydraConfig.get().launcher.get("_target_", ""))
+    except (ImportError, ValueError):  # no Hydra, or no Hydra app running
+        return False
+    return "submitit" in target or "slurm_submit" in target
 
 
 def head_node(nodelist: str) -> str:
