@@ -1,0 +1,257 @@
+"""All distribution of the single-device model, applied in one place and in a fixed order.
+
+    init_parallel(mesh_dims, device) -> Parallel    once, after init_process_group
+    parallelize(model, par, cfg) -> model           on the full model, built identically on
+                                                    every rank from the same seed
+
+Order (each step sees the model the previous one left):
+  1. pipeline split        pp.py, when mesh.pp > 1
+  2. expert parallel       slice expert weights to this rank's experts; all-to-all dispatchers
+  3. context parallel      cp.py, when mesh.cp > 1
+  4. activation checkpointing, then compile (per block)
+  5. FSDP2                 experts over edp, everything else over dp*cp
+
+Mesh layout. Global rank = pp_i * (dp*cp) + dp_i * cp + cp_i, i.e. a DeviceMesh
+("pp", "dp", "cp"). Expert parallel is folded into the flattened dp*cp dimension ("dp_cp"):
+EP groups are contiguous blocks of `ep` ranks in it, and the experts' data-parallel degree
+edp = dp*cp/ep is the other factor, a mesh ("edp", "ep") over the same ranks.
+
+Gradients. FSDP averages non-expert gradients over dp*cp, which is the gradient of the mean loss
+over the global batch when every rank's loss is a mean over the same number of tokens. An
+expert shard's gradient already sums the contributions of its whole EP group (the all-to-all's
+backward brings them home), so FSDP sums it over edp and divides by dp*cp, not by edp
+(`set_gradient_divide_factor`). Accumulating micro-batches is plain autograd accumulation into
+the sharded gradients (the loss of each micro-batch scaled by 1/micro-batches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from moe_perf.mesh import MeshDims
+from moe_perf.trainer.ep import AllToAllDispatcher, shard_experts_
+from moe_perf.trainer.moe import moe_layers
+
+# Gradients are reduced in fp32 even when parameters are gathered in bf16: a bf16 sum over many
+# ranks loses the small gradients (torchtitan's default too).
+REDUCE_DTYPE = torch.float32
+
+
+@dataclass
+class Parallel:
+    """The device meshes and the process groups the train loop, the model and the tests use.
+
+    With one process and no process group (unit tests), every mesh is None, every group None
+    and every rank 0.
+    """
+
+    dims: MeshDims
+    device: torch.device
+    world_mesh: DeviceMesh | None = None  # ("pp", "dp", "cp")
+    dp_cp_mesh: DeviceMesh | None = None  # ("dp_cp",): this pipeline stage's data x context
+    expert_mesh: DeviceMesh | None = None  # ("edp", "ep"): the same ranks, EP blocks contiguous
+    pipeline: object | None = None  # set by the pipeline hook (pp.py): stages, schedule
+    extras: dict = field(default_factory=dict)
+
+    def _mesh_of(self, name: str) -> DeviceMesh | None:
+        if name in ("pp", "dp", "cp"):
+            return self.world_mesh
+        if name == "dp_cp":
+            return self.dp_cp_mesh
+        if name in ("edp", "ep"):
+            return self.expert_mesh
+        raise KeyError(f"no mesh dimension {name!r}: pp, dp, cp, dp_cp, edp or ep")
+
+    def mesh(self, name: str) -> DeviceMesh | None:
+        m = self._mesh_of(name)
+        return None if m is None else (m if m.mesh_dim_names == (name,) else m[name])
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        m = self._mesh_of(name)
+        return None if m is None else m.get_group(name)
+
+    def rank(self, name: str) -> int:
+        m = self._mesh_of(name)
+        return 0 if m is None else m.get_local_rank(name)
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.rank("dp_cp")
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank("ep")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank("pp")
+
+
+def init_parallel(dims: MeshDims, device: torch.device | str) -> Parallel:
+    """Build the meshes (a collective: every rank calls it, after init_process_group)."""
+    device = torch.device(device)
+    dims.check_layout()
+    if not dist.is_initialized():
+        if dims.world != 1:
+            raise RuntimeError(f"mesh world size {dims.world} needs torch.distributed initialised")
+        return Parallel(dims, device)
+    if dist.get_world_size() != dims.world:
+        raise RuntimeError(
+            f"process group has {dist.get_world_size()} ranks but the mesh needs {dims.world} "
+            f"(mesh.nnodes * mesh.nproc_per_node)"
+        )
+    world_mesh = init_device_mesh(
+        device.type, (dims.pp, dims.dp, dims.cp), mesh_dim_names=("pp", "dp", "cp")
+    )
+    dp_cp_mesh = world_mesh["dp", "cp"]._flatten("dp_cp")
+    expert_mesh = dp_cp_mesh._unflatten(0, (dims.edp, dims.ep), ("edp", "ep"))
+    return Parallel(dims, device, world_mesh, dp_cp_mesh, expert_mesh)
+
+
+def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
+    """Apply pipeline split, expert parallel, context parallel, compile and FSDP, in order."""
+    dims = par.dims
+
+    # 1. Pipeline split ------------------------------------------------------------------------
+    if dims.pp > 1:
+        # PP HOOK: pp.py cuts the model into this rank's stage(s) (layers dropped, embedding on
+        # the first stage, norm/head on the last), returns the stage module(s) and sets
+        # par.pipeline. Steps 2-5 then run on every local stage module.
+        from moe_perf.trainer import pp
+
+        model_parts = pp.pipeline_split(model, par, cfg)
+    else:
+        model_parts = [model]
+
+    for part in model_parts:
+        # 2. Expert parallel -------------------------------------------------------------------
+        if dims.ep > 1:
+            apply_expert_parallel(part, par)
+
+        # 3. Context parallel ------------------------------------------------------------------
+        if dims.cp > 1:
+            # CP HOOK: cp.py swaps attention for the cp-group attention; the sequence balance
+            # loss of a sequence spread over the cp group reads MoE.cp_group.
+            from moe_perf.trainer import cp
+
+            cp.apply_context_parallel(part, par.group("cp"))
+            for m in moe_layers(part):
+                m.cp_group = par.group("cp")
+
+        # 4. Activation checkpointing and compile ------------------------------------------------
+        if cfg.trainer.activation_checkpointing:
+            apply_activation_checkpointing(part, cfg.trainer.activation_checkpointing)
+        if cfg.trainer.compile:
+            for block in part.layers.values():
+                # Not fullgraph: uneven all-to-all needs its split sizes on the host.
+                block.compile()
+
+        # 5. FSDP2 -----------------------------------------------------------------------------
+        # The global-batch balance loss all-reduces expert counts over data x context.
+        if dims.dp_cp > 1:
+            for m in moe_layers(part):
+                m.load_balance_group = par.group("dp_cp")
+        if dist.is_initialized():
+            apply_fsdp(part, par, mixed_precision(cfg, par.device))
+
+    if dims.pp > 1:
+        # PP HOOK (second half): build the schedule over the parallelized stages.
+        pp.build_schedule(model_parts, par, cfg)
+        return model_parts[0]
+    return model
+
+
+def apply_expert_parallel(model: nn.Module, par: Parallel) -> None:
+    """Keep this EP rank's experts and send tokens to the ranks that hold theirs."""
+    ep_group, ep, ep_rank = par.group("ep"), par.dims.ep, par.ep_rank
+    for m in moe_layers(model):
+        shard_experts_(m.experts, ep_rank, ep)
+        m.dispatcher = AllToAllDispatcher(ep_group, m.num_experts)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode) -> None:
+    """Recompute each block's activations in backward (mode true/"full": every block)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode not in (True, "full"):
+        raise ValueError(f"trainer.activation_checkpointing={mode!r}: expected false or full")
+    for name, block in list(model.layers.items()):
+        model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def mixed_precision(cfg, device: torch.device) -> MixedPrecisionPolicy:
+    """bf16 parameters in compute with fp32 reduction on GPU for bf16/fp8; fp32 otherwise."""
+    if device.type != "cpu" and cfg.dtype.name in ("bf16", "fp8"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=REDUCE_DTYPE)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(model: nn.Module, par: Parallel, mp: MixedPrecisionPolicy) -> None:
+    """fully_shard bottom-up: experts (edp), blocks, embedding, norm+head, root (dp*cp)."""
+    dp_cp_mesh, edp_mesh = par.dp_cp_mesh, par.mesh("edp")
+    edp = par.dims.edp
+
+    def expert_placement(param: nn.Parameter):
+        # Fewer local experts than edp ranks: shard the hidden dim instead of padding dim 0.
+        return Shard(0) if param.shape[0] >= edp else Shard(1)
+
+    for block in model.layers.values():
+        inner = getattr(block, "_checkpoint_wrapped_module", block)
+        if getattr(inner, "moe_enabled", False):
+            experts = inner.ffn.experts
+            fully_shard(experts, mesh=edp_mesh, mp_policy=mp, shard_placement_fn=expert_placement)
+            experts.set_gradient_divide_factor(float(par.dims.dp_cp))
+            if par.device.type == "cpu" and edp > 1:
+                # Gloo has no PREMUL_SUM: sum, then divide on the shard. Not with one edp rank:
+                # torch 2.13 then divides twice (copy / factor, then the post-divide).
+                experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=dp_cp_mesh, mp_policy=mp)
+    if getattr(model, "tok_embeddings", None) is not None:
+        fully_shard(model.tok_embeddings, mesh=dp_cp_mesh, mp_policy=mp)
+    head = [m for m in (getattr(model, "norm", None), getattr(model, "output", None)) if m]
+    if head:
+        # Backward starts here: keep the head gathered between forward and backward.
+        fully_shard(head, mesh=dp_cp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_cp_mesh, mp_policy=mp)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers for the train loop
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, par: Parallel) -> torch.Tensor:
+    """Global gradient 2-norm over every rank's shards (experts and non-experts), then clip.
+
+    Each gradient element lives on exactly one rank of dp*cp (FSDP shards over dp*cp; expert
+    shards over edp x ep = dp*cp) and on one pipeline stage, so the squared norm is the sum of
+    local squares all-reduced over dp_cp and pp. torch's clip_grad_norm_ cannot mix DTensors of
+    the edp and dp_cp meshes. One all_reduce per group (and a host sync for nothing: the scale
+    stays on the device).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if local:
+        total_sq = torch.stack([g.float().pow(2).sum() for g in local]).sum()
+    else:
+        total_sq = torch.zeros((), device=par.device)
+    for name in ("dp_cp", "pp"):
+        group = par.group(name)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total_sq, group=group)
+    norm = total_sq.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(local, scale)
+    return norm
