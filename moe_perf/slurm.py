@@ -218,25 +218,3 @@ def failure_reason(returncode: int, console_tail: str) -> str | None:
     if match:
         return f"srun step cancelled ({match.group(1) or 'scancel'}; exit {returncode})"
     return None
-
-
-def cancel_step(arm_label: str, env: Mapping[str, str] | None = None) -> None:
-    """scancel this arm's step if it is still running (after srun itself was killed).
-
-    srun forwards SIGTERM/SIGINT to its tasks, but a SIGKILLed srun leaves the step running on
-    the nodes; this finds it by name in the current allocation and cancels it.
-    """
-    env = os.environ if env is None else env
-    job_id = env.get("SLURM_JOB_ID")
-    if not job_id:
-        return
-    proc = subprocess.run(
-        ["squeue", "--steps", "--noheader", "--jobs", job_id, "--format=%i %j"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    for line in proc.stdout.splitlines():
-        step_id, _, name = line.strip().partition(" ")
-        if name == step_name(arm_label):
-            subprocess.run(["scancel", step_id], capture_output=True, check=False)
