@@ -189,6 +189,25 @@ def config_differences(records: list[dict]) -> list[dict]:
     return differences
 
 
+ENV_KEYS = ("host", "devices", "world_size", "torch", "cuda", "nccl")
+
+
+def environment_differences(records: list[dict]) -> list[str]:
+    """Environment fields that differ between base and feat runs: worth knowing, not a refusal
+    (a cluster gives different hosts; a different GPU model or torch is another matter)."""
+    notes = []
+    for key in ENV_KEYS:
+        seen: dict = {}
+        for record in records:
+            value = (record.get("environment") or {}).get(key)
+            if value is not None:
+                seen.setdefault(record.get("arm"), set()).add(json.dumps(value, sort_keys=True))
+        if "base" in seen and "feat" in seen and seen["base"] != seen["feat"]:
+            values = "; ".join(f"{arm}: {', '.join(sorted(v))}" for arm, v in sorted(seen.items()))
+            notes.append(f"environment `{key}` differs between arms ({values})")
+    return notes
+
+
 def _run_entry(record: dict) -> dict:
     steps = record.get("steps") or []
     ok = record.get("status") == "ok"
@@ -262,6 +281,7 @@ def compare_group(model: str, tag: str, records: list[dict]) -> dict:
         "arms": {name: _arm_entry(arm_runs) for name, arm_runs in arms.items()},
         "runs": runs,
         "config_differences": config_differences([r for r in records if r.get("config")]),
+        "environment_differences": environment_differences(records),
         "difference": {},
     }
     base, feat = group["arms"].get("base"), group["arms"].get("feat")
@@ -376,6 +396,8 @@ def _group_lines(group: dict) -> list[str]:
             lines.append(f"- `{diff['key']}`: {values}")
         lines.append("")
     lines += _table(group) + [""]
+    lines += [f"Note: {note}." for note in group["environment_differences"]]
+    lines += [""] if group["environment_differences"] else []
     sentence = _step_time_sentence(group)
     if sentence:
         lines += [sentence, ""]

@@ -265,3 +265,15 @@ def test_cli_missing_file_is_a_message(tmp_path):
     result = run_cli(str(tmp_path / "nope.log"), str(tmp_path / "nope2.log"))
     assert result.returncode == 2
     assert "moe_perf.compare:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_environment_difference_is_noted(tmp_path):
+    write_arm(tmp_path, "base", flat([0.4] * 7), environment={"host": "n1", "devices": ["H200"]})
+    write_arm(tmp_path, "feat", flat([0.4] * 7), environment={"host": "n1", "devices": ["H100"]})
+    report, text = compare.compare_sweep(tmp_path, write=False)
+    (group,) = report["groups"]
+    assert group["status"] == "compared"  # noted, not refused
+    assert group["environment_differences"] == [
+        'environment `devices` differs between arms (base: ["H200"]; feat: ["H100"])'
+    ]
+    assert "Note: environment `devices` differs between arms" in text
