@@ -444,7 +444,9 @@ def plot(report: dict, path: Path) -> Path | None:
             points = [(s, t) for s, t in run["step_times"][1:] if t is not None]
             if points:
                 xs, ys = zip(*points, strict=True)
-                label = f"{run['arm']} r{run['repeat']}"
+                label = f"{run['arm']} r{run['repeat']}" + (
+                    "" if run["status"] == "ok" else " (failed)"
+                )
                 ax.plot(xs, ys, marker="o", color=colours.get(run["arm"]), label=label, alpha=0.8)
         ax.set_title(f"{group['model']}  {group['tag']}  (first step not shown)", fontsize=9)
         ax.set_xlabel("step")

@@ -140,7 +140,10 @@ def _log_run(record: dict, arm_dir: Path, cfg: dict, mode: str) -> str:
             if summary.get(key) is not None:
                 run.summary[key] = summary[key]  # medians, not the last step's value
         run.summary["status"] = record.get("status")
-        return str(Path(run.dir).parent)
+        run_dir = Path(run.dir).parent
+        where = run.url if mode == "online" else f"{run_dir} (upload later: wandb sync {run_dir})"
+        print(f"[moe_perf] wandb run {run.name}: {where}", flush=True)
+        return str(run_dir)
     finally:
         run.finish(exit_code=0 if record.get("status") == "ok" else 1)
 

@@ -73,6 +73,7 @@ def test_offline_run_writes_under_arm_dir_and_never_the_key(tmp_path):
     arm_dir = tmp_path / "pp1-dp1-cp1-ep1-seq64-bf16-feat-r1"
     arm_dir.mkdir()
     out = run_log_arm(tmp_path, arm_dir, {"mode": "offline"}, WANDB_API_KEY=FAKE_KEY)
+    assert "(upload later: wandb sync " in out
     run_dir = Path(out.split("RESULT ")[1].split()[0])
     assert run_dir.parent == arm_dir / "wandb"
     (data,) = run_dir.glob("run-*.wandb")  # wandb's binary record log: look for our fields
