@@ -97,8 +97,23 @@ def _read_record(path: Path) -> tuple[dict | None, str | None]:
     return record, None
 
 
-def _latest_sweep(records: list[dict]) -> list[dict]:
-    """Only the records of the newest `sweep_id` (newest = most recently written file)."""
+# Written by the runner (moe_perf/sweep.py) when a sweep starts; names the current sweep_id.
+SWEEP_STATE = Path(".moe_perf") / "sweep.json"
+
+
+def current_sweep_id(sweep_dir: Path) -> str | None:
+    try:
+        return json.loads((sweep_dir / SWEEP_STATE).read_text(encoding="utf-8")).get("sweep_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _latest_sweep(records: list[dict], current: str | None) -> list[dict]:
+    """Only the records of the current sweep: the one the runner's state file names, else the
+    `sweep_id` whose records were written last. (A current sweep whose arms all failed before
+    writing a record must not show an earlier sweep's numbers as if they were its own.)"""
+    if current is not None:
+        return [r for r in records if r.get("sweep_id") == current]
     newest: dict = {}
     for record in records:
         mtime = Path(record["_path"]).stat().st_mtime
@@ -111,8 +126,8 @@ def _latest_sweep(records: list[dict]) -> list[dict]:
 
 
 def load_sweep(sweep_dir: Path) -> tuple[list[dict], list[str]]:
-    """Every arm record under the sweep dir, latest sweep only, `previous/` dirs ignored."""
-    records, notes = [], []
+    """Every arm record under the sweep dir, current sweep only, `previous/` dirs ignored."""
+    found, notes = [], []
     for path in sorted(sweep_dir.rglob("metrics.json")):
         if "previous" in path.relative_to(sweep_dir).parts:
             continue  # earlier sweeps, moved aside by the runner
@@ -120,8 +135,15 @@ def load_sweep(sweep_dir: Path) -> tuple[list[dict], list[str]]:
         if note:
             notes.append(note)
         if record:
-            records.append(record)
-    return _latest_sweep(records), notes
+            found.append(record)
+    records = _latest_sweep(found, current_sweep_id(sweep_dir))
+    if len(records) < len(found):
+        ids = sorted({str(r.get("sweep_id")) for r in records}) or [current_sweep_id(sweep_dir)]
+        notes.append(
+            f"{len(found) - len(records)} record(s) of earlier sweeps ignored; "
+            f"showing sweep {', '.join(map(str, ids))}"
+        )
+    return records, notes
 
 
 def record_from_log(path: Path, arm: str, fmt: str = "auto", **options) -> dict:

@@ -277,3 +277,20 @@ def test_environment_difference_is_noted(tmp_path):
         'environment `devices` differs between arms (base: ["H200"]; feat: ["H100"])'
     ]
     assert "Note: environment `devices` differs between arms" in text
+
+
+def test_runner_state_names_the_current_sweep(tmp_path):
+    write_arm(tmp_path, "base", flat([0.4] * 7), sweep_id="20260101-old")
+    write_arm(tmp_path, "feat", flat([0.4] * 7), sweep_id="20260101-old")
+    state = tmp_path / ".moe_perf" / "sweep.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"sweep_id": "20260202-new"}))
+    # The current sweep wrote no record (every arm failed early): show nothing, not old numbers.
+    report, text = compare.compare_sweep(tmp_path, write=False)
+    assert report["groups"] == []
+    assert "2 record(s) of earlier sweeps ignored; showing sweep 20260202-new" in text
+
+    write_arm(tmp_path, "feat", flat([0.5] * 7), sweep_id="20260202-new")
+    report, _ = compare.compare_sweep(tmp_path, write=False)
+    (group,) = report["groups"]
+    assert list(group["arms"]) == ["feat"] and group["status"] == "incomplete"
