@@ -5,7 +5,7 @@
                                                     every rank from the same seed
 
 Order (each step sees the model the previous one left):
-  1. pipeline split        pp.py, when mesh.pp > 1
+  1. pipeline split        pp.py, when mesh.pp > 1 (steps 2-5 then run on each local stage)
   2. expert parallel       slice expert weights to this rank's experts; all-to-all dispatchers
   3. context parallel      cp.py, when mesh.cp > 1
   4. activation checkpointing, then compile (per block)
@@ -125,12 +125,17 @@ def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
 
     # 1. Pipeline split ------------------------------------------------------------------------
     if dims.pp > 1:
-        # PP HOOK: pp.py cuts the model into this rank's stage(s) (layers dropped, embedding on
-        # the first stage, norm/head on the last), returns the stage module(s) and sets
-        # par.pipeline. Steps 2-5 then run on every local stage module.
+        # PP HOOK: pp.py cuts the model into this rank's stage module(s) (layers dropped,
+        # embedding on the first stage, norm/head on the last); steps 2-5 run on each of them.
         from moe_perf.trainer import pp
 
-        model_parts = pp.pipeline_split(model, par, cfg)
+        model_parts, stage_ids = pp.split_model(
+            model,
+            pp_rank=par.pp_rank,
+            pp=dims.pp,
+            virtual_stages=cfg.trainer.pp_virtual_stages,
+            seq_len=cfg.training.sequence_length,
+        )
     else:
         model_parts = [model]
 
@@ -141,17 +146,15 @@ def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
 
         # 3. Context parallel ------------------------------------------------------------------
         if dims.cp > 1:
-            # CP HOOK: cp.py swaps attention for the cp-group attention; the sequence balance
-            # loss of a sequence spread over the cp group reads MoE.cp_group.
+            # CP HOOK: cp.py swaps attention for the cp-group attention and gives the MoE
+            # layers the cp group (sequence balance loss).
             from moe_perf.trainer import cp
 
             cp.apply_context_parallel(part, par.group("cp"))
-            for m in moe_layers(part):
-                m.cp_group = par.group("cp")
 
-        # 4. Activation checkpointing and compile ------------------------------------------------
-        if cfg.trainer.activation_checkpointing:
-            apply_activation_checkpointing(part, cfg.trainer.activation_checkpointing)
+        # 4. Activation checkpointing and compile ----------------------------------------------
+        if activation_checkpointing_on(cfg.trainer.activation_checkpointing):
+            apply_activation_checkpointing(part)
         if cfg.trainer.compile:
             for block in part.layers.values():
                 # Not fullgraph: uneven all-to-all needs its split sizes on the host.
@@ -166,9 +169,28 @@ def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
             apply_fsdp(part, par, mixed_precision(cfg, par.device))
 
     if dims.pp > 1:
-        # PP HOOK (second half): build the schedule over the parallelized stages.
-        pp.build_schedule(model_parts, par, cfg)
-        return model_parts[0]
+        # PP HOOK (second half): the schedule over the parallelized stages, in par.pipeline.
+        # The train loop calls par.pipeline.step(...) instead of forward/backward; the
+        # returned ModuleList holds every local stage (parameters, train(), MoE setters).
+        t = cfg.training
+        n_micro = t.global_batch // (dims.dp * t.micro_batch)
+        tokens_per_micro = t.micro_batch * t.sequence_length // dims.cp
+        rank = par.dp_cp_rank
+
+        def token_offset(m: int) -> int:
+            return (m * dims.dp_cp + rank) * tokens_per_micro
+
+        par.pipeline = pp.build_pipeline(
+            model_parts,
+            stage_ids,
+            pp_group=par.group("pp"),
+            num_stages=dims.pp * cfg.trainer.pp_virtual_stages,
+            schedule=cfg.trainer.pp_schedule,
+            n_microbatches=n_micro,
+            device=par.device,
+            token_offset=token_offset if t.benchmark else None,
+        )
+        return nn.ModuleList(model_parts)
     return model
 
 
@@ -180,12 +202,19 @@ def apply_expert_parallel(model: nn.Module, par: Parallel) -> None:
         m.dispatcher = AllToAllDispatcher(ep_group, m.num_experts)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode) -> None:
-    """Recompute each block's activations in backward (mode true/"full": every block)."""
+def activation_checkpointing_on(mode) -> bool:
+    """trainer.activation_checkpointing: none/false (off) or full/true (every block)."""
+    if mode in (None, False, "none", "off", ""):
+        return False
+    if mode in (True, "full"):
+        return True
+    raise ValueError(f"trainer.activation_checkpointing={mode!r}: expected none or full")
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward (before compile and FSDP wrap it)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    if mode not in (True, "full"):
-        raise ValueError(f"trainer.activation_checkpointing={mode!r}: expected false or full")
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
