@@ -197,3 +197,55 @@ def cp_attention(
     return F.scaled_dot_product_attention(
         q_BHTD, k_BGSD, v_BGSE, attn_mask=mask_TS, scale=scale, enable_gqa=G != H
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Switching a model into context-parallel mode (parallelize.py)
+
+
+class ContextParallelAttention:
+    """Replacement for `Attention.attend` on a cp rank: zig-zag queries, gathered K/V."""
+
+    def __init__(self, group, window: int = 0):
+        self.group, self.window = group, window
+        self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def __call__(self, q_BHTD, k_BGTD, v_BGTE):
+        seq_len = self.cp * q_BHTD.shape[2]
+        positions_T = zigzag_positions(seq_len, self.cp, self.rank, device=q_BHTD.device)
+        return cp_attention(q_BHTD, k_BGTD, v_BGTE, positions_T, self.group, window=self.window)
+
+
+def _fill_zigzag_positions(cp: int, rank: int):
+    """Forward pre-hook: positions_BS = this rank's global (zig-zag) positions when not given.
+
+    Pipeline stages receive only hidden states, so RoPE positions cannot come from the loop.
+    """
+
+    def hook(module, args, kwargs):
+        if len(args) > 1 or kwargs.get("positions_BS") is not None:
+            return None
+        B, S = args[0].shape[:2]
+        positions_T = zigzag_positions(cp * S, cp, rank, device=args[0].device)
+        return args, {**kwargs, "positions_BS": positions_T.unsqueeze(0).expand(B, S)}
+
+    return hook
+
+
+def apply_context_parallel(model: torch.nn.Module, cp_group) -> None:
+    """Put every attention of `model` (a Transformer or a pipeline stage of one) in CP mode.
+
+    Also gives the MoE layers the cp group (DeepSeek's sequence-wise balance loss counts over
+    the whole sequence, which spans the group). The batch itself is sharded by the train loop
+    with `shard_batch` (tokens and labels; positions default to the zig-zag ones here).
+    """
+    from moe_perf.trainer.model import Attention
+    from moe_perf.trainer.moe import moe_layers
+
+    cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.attend = ContextParallelAttention(cp_group)
+    for moe in moe_layers(model):
+        moe.cp_group = cp_group
+    model.register_forward_pre_hook(_fill_zigzag_positions(cp, rank), with_kwargs=True)
