@@ -1,0 +1,120 @@
+"""The trainer end to end: real runs of `python -m moe_perf.trainer` (one process and under
+torchrun), their contract lines, exit codes and error messages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moe_perf import contract
+from moe_perf.trainer.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_config(tmp_path: Path, **sections) -> Path:
+    cfg = {
+        "model": yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text()),
+        "mesh": {"nnodes": 1, "nproc_per_node": 1, "pp": 1, "cp": 1, "ep": 1},
+        "dtype": {"name": "fp32", "fp8": False},
+        "training": {"sequence_length": 64, "global_batch": 4, "micro_batch": 1,
+                     "max_steps": 3, "benchmark": True, "seed": 5, "lr": 1e-3,
+                     "device": "cpu"},
+        "data": {"corpus": None, "root": str(tmp_path / "datasets")},
+        "trainer": yaml.safe_load((ROOT / "conf" / "trainer" / "reference.yaml").read_text()),
+        "wandb": {"mode": "disabled"},  # sections the trainer does not read are ignored
+    }
+    for section, values in sections.items():
+        cfg[section].update(values)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_trainer(args: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    steps = [s for s in map(contract.parse_step, proc.stdout.splitlines()) if s]
+    return proc, steps
+
+
+def check_lines(proc, steps, max_steps: int, world: int) -> None:
+    assert proc.returncode == 0, proc.stderr
+    assert [s["step"] for s in steps] == list(range(1, max_steps + 1))
+    for s in steps:
+        assert s["max_steps"] == max_steps
+        assert s["step_time_s"] > 0 and s["peak_mem_gib"] > 0
+        assert s["tokens_per_s"] == pytest.approx(4 * 64 / s["step_time_s"], rel=1e-3)
+        assert s["tflops"] > 0 and s["mfu"] is None  # no peak on CPU
+        assert 4 < s["loss"] < 8
+    env = [e for e in map(contract.parse_env, proc.stdout.splitlines()) if e]
+    assert len(env) == 1 and env[0]["world_size"] == world and env[0]["torch"]
+
+
+def torchrun(nproc: int, cfg: Path, *overrides: str):
+    return run_trainer(
+        ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend",
+         "c10d", "--rdzv-endpoint", "localhost:0", "-m", "moe_perf.trainer", str(cfg),
+         *overrides])
+
+
+@pytest.mark.slow
+def test_one_process_equals_torchrun_dp2(tmp_path):
+    """Plain `python -m` (no process group, micro-batches of 2) and torchrun with 2 ranks (FSDP
+    dp=2, micro-batches of 1), fp32: the same global batch, the same forced routing and the
+    same global-batch balance loss, hence the same losses."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    single = write_config(tmp_path / "one", training={"micro_batch": 2})
+    proc1, steps1 = run_trainer(["-m", "moe_perf.trainer", str(single)])
+    check_lines(proc1, steps1, 3, 1)
+
+    double = write_config(tmp_path / "two", mesh={"nproc_per_node": 2})
+    proc2, steps2 = torchrun(2, double)
+    check_lines(proc2, steps2, 3, 2)
+    for a, b in zip(steps1, steps2, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_torchrun_ep2_bf16_with_overrides(tmp_path):
+    """Expert parallel over 2 ranks (all-to-all dispatch) in bf16; overrides on the command."""
+    cfg = write_config(tmp_path, mesh={"nproc_per_node": 2, "ep": 2}, dtype={"name": "bf16"})
+    proc, steps = torchrun(2, cfg, "training.max_steps=2")
+    check_lines(proc, steps, 2, 2)
+
+
+def test_missing_corpus_fails_with_the_build_command(tmp_path, capsys):
+    cfg = write_config(tmp_path, data={"corpus": "dclm-baseline"})
+    assert main([str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "data.corpus=dclm-baseline" in err and "moe_perf.trainer.data build" in err
+    assert "Traceback" not in err
+
+
+def test_mesh_errors_use_the_runners_messages(tmp_path, capsys):
+    cfg = write_config(tmp_path, training={"global_batch": 3, "micro_batch": 2})
+    assert main([str(cfg)]) == 2
+    assert "training.micro_batch=2 must divide global_batch/dp" in capsys.readouterr().err
+    cfg = write_config(tmp_path, mesh={"ep": 3})
+    assert main([str(cfg)]) == 2
+    assert "mesh.ep=3 must divide world/pp" in capsys.readouterr().err
+
+
+def test_world_size_mismatch_is_refused(tmp_path, capsys):
+    cfg = write_config(tmp_path, mesh={"nproc_per_node": 2})
+    assert main([str(cfg)]) == 2
+    assert "launched with 1 processes but mesh.nnodes * mesh.nproc_per_node = 2" \
+        in capsys.readouterr().err
+
+
+def test_fp8_on_cpu_is_a_clear_error(tmp_path, capsys):
+    cfg = write_config(tmp_path, dtype={"name": "fp8", "fp8": True})
+    assert main([str(cfg)]) == 2
+    assert "dtype=fp8 needs a GPU" in capsys.readouterr().err
