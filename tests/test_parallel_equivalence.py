@@ -9,8 +9,10 @@ micro-step m on the union of the ranks' m-th micro-batches, which is what the gl
 balance loss sees under data parallel. Checked:
   * step-1 gradients: every parameter, gathered (FSDP shards, then EP shards), against the
     reference's gradient;
-  * losses of steps 1-3 (after two SGD updates the models must still agree) and the final
-    parameters.
+  * the global gradient norm (parallelize.clip_grad_norm_ over FSDP and EP shards) against
+    torch's on the reference, with clipping active;
+  * losses of steps 1-3 (after two clipped SGD updates the models must still agree) and the
+    final parameters.
 Tolerance, fp32 throughout: rtol 1e-5, atol 1e-6 (the parallel run sums the same terms in a
 different order: all-reduces, per-rank batches, expert-sorted rows).
 """
@@ -29,11 +31,12 @@ from moe_perf.mesh import MeshDims
 from moe_perf.trainer.config import config_from_dict
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
-from moe_perf.trainer.parallelize import init_parallel, parallelize
+from moe_perf.trainer.parallelize import clip_grad_norm_, init_parallel, parallelize
 from tests.distributed_util import run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 SEQ, GLOBAL_BATCH, STEPS, LR = 16, 8, 3, 0.5
+MAX_GRAD_NORM = 0.5  # below the tiny model's gradient norm: clipping is active
 TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -154,6 +157,15 @@ def _check_mesh(rank, world, ep, micro_batch, benchmark, load_balance):
                     atol=ATOL,
                     msg=lambda m, n=name: f"step-1 gradient of {n}: {m}",
                 )
+        norm = clip_grad_norm_(list(model.parameters()), MAX_GRAD_NORM, par)
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_GRAD_NORM)
+        torch.testing.assert_close(
+            norm,
+            ref_norm,
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m, s=step: f"gradient norm of step {s}: {m}",
+        )
         opt.step()
         opt.zero_grad()
         ref_opt.step()
