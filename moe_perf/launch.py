@@ -1,0 +1,259 @@
+"""Launch one arm: the torchrun argument list, streaming and saving its output, the timeout,
+and stopping every process it started (Ctrl-C, SIGTERM, timeout).
+
+A launcher turns (config, arm dir, resolved config path) into an argument list; the local one
+is plain torchrun. A `launcher=slurm` variant wraps the same torchrun argv in `srun ...`
+(`launcher_argv`), everything else here stays the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from moe_perf.contract import parse_env, parse_step
+
+# torchrun --tee prefixes every worker line with its local rank: "[default0]:" (or "[rank0]:").
+_RANK_PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
+# Every process of one launch carries this variable, so leftovers are found even after torchrun
+# is gone (its workers run in sessions of their own, outside its process group).
+LAUNCH_TOKEN_ENV = "MOE_PERF_LAUNCH"
+
+
+@dataclass
+class LaunchResult:
+    exit_code: int | None
+    failure: str | None
+    steps: list[dict] = field(default_factory=list)
+    trainer_env: dict | None = None
+    trainer_wall_s: float = 0.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_argv(cfg: Any, arm_dir: Path, config_path: Path, port: int) -> list[str]:
+    """`python -m torch.distributed.run ... <trainer.command> <config>`, as a list."""
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(cfg.mesh.nnodes),
+        "--nproc-per-node", str(cfg.mesh.nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"localhost:{port}",
+        "--log-dir", str(arm_dir / "torchrun"),
+        "--tee", "3",
+        *[str(part) for part in cfg.trainer.command],
+        str(config_path),
+    ]  # fmt: skip
+
+
+def launcher_argv(cfg: Any, arm_dir: Path, config_path: Path) -> list[str]:
+    """The whole command of one arm for the configured launcher."""
+    if cfg.launcher.name == "slurm":  # launcher=slurm hook (issue 5): moe_perf/slurm.py
+        from moe_perf import slurm
+
+        # srun_argv moves the rendezvous to the first node of the allocation
+        argv = torchrun_argv(cfg, arm_dir, config_path, free_port())
+        return slurm.srun_argv(
+            argv, nnodes=int(cfg.mesh.nnodes), arm_label=arm_dir.name, launcher=cfg.launcher
+        )
+    if cfg.launcher.name != "local":
+        raise ValueError(f"launcher={cfg.launcher.name} is not supported by this runner yet")
+    return torchrun_argv(cfg, arm_dir, config_path, free_port())
+
+
+def trainer_env(worktree: Path, arm_dir: Path, token: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # the worktree first, so an arm whose repository holds the trainer runs its own code
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(worktree), env.get("PYTHONPATH")) if p)
+    env["MOE_PERF_ARM_DIR"] = str(arm_dir)
+    env["PYTHONUNBUFFERED"] = "1"  # lines reach the console as the step ends, not at exit
+    env[LAUNCH_TOKEN_ENV] = token
+    return env
+
+
+# ---- output ----------------------------------------------------------------------------------
+
+
+def progress_line(label: str, sample: dict) -> str:
+    parts = [f"[{label}] step {sample['step']}/{sample['max_steps']}"]
+    parts.append(f"{sample['step_time_s']:.4f} s")
+    parts.append(f"{sample['tokens_per_s']:,.0f} tokens/s")
+    parts.append(f"peak {sample['peak_mem_gib']:.2f} GiB")
+    if sample.get("loss") is not None:
+        parts.append(f"loss {sample['loss']:.4g}")
+    return "  ".join(parts)
+
+
+class _Pump:
+    """Reads the launch's output: all of it to console.log, rank 0 (and torchrun) to the
+    console with the arm's label, contract lines parsed into samples."""
+
+    def __init__(self, stream: TextIO, log: TextIO, label: str, echo: TextIO):
+        self.stream, self.log, self.label, self.echo = stream, log, label, echo
+        self.steps: dict[int, dict] = {}
+        self.env: dict | None = None
+        self.thread = threading.Thread(target=self._run, name=f"pump-{label}", daemon=True)
+
+    def _run(self) -> None:
+        for line in self.stream:
+            self.log.write(line)
+            self.log.flush()
+            self._handle(line.rstrip("\n"))
+
+    def _handle(self, line: str) -> None:
+        match = _RANK_PREFIX_RE.match(line)
+        if match and match.group(1) != "0":
+            return  # other ranks: console.log and torchrun/ only
+        text = line[match.end() :] if match else line
+        sample = parse_step(text)
+        if sample is not None:
+            self.steps[sample["step"]] = sample  # a repeated step keeps its last line
+            self._print(progress_line(self.label, sample))
+            return
+        env = parse_env(text)
+        if env is not None:
+            self.env = env
+        self._print(f"[{self.label}] {text}")
+
+    def _print(self, text: str) -> None:
+        self.echo.write(text + "\n")
+        self.echo.flush()
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+
+def _processes_with_token(token: str) -> set[int]:
+    """Pids whose environment carries this launch's token (Linux /proc)."""
+    needle = f"{LAUNCH_TOKEN_ENV}={token}".encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                pids.add(int(entry.name))
+        except OSError:
+            continue  # gone, or not ours
+    return pids
+
+
+def _signal_all(proc: subprocess.Popen, pids: set[int], sig: int) -> None:
+    if proc.poll() is None:  # never signal a group id that a finished torchrun has released
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)  # torchrun's own group (start_new_session)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def stop_launch(proc: subprocess.Popen, token: str, grace_s: float) -> None:
+    """SIGTERM to torchrun's group and every process of this launch, SIGKILL after `grace_s`.
+
+    torchrun forwards SIGTERM to its workers; whatever is still there after the grace period
+    (a hung collective, say) is killed. Leaves no process of this launch behind.
+    """
+    pids = _processes_with_token(token)
+    if proc.poll() is not None and not pids:
+        return
+    _signal_all(proc, pids, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None and not _processes_with_token(token):
+            return
+        time.sleep(0.1)
+    _signal_all(proc, _processes_with_token(token), signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+    # SIGKILLed workers are reparented and reaped by init; wait until they are gone
+    deadline = time.monotonic() + 5
+    while _processes_with_token(token) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def failure_of(exit_code: int | None, timed_out: bool, timeout_s: float, steps: dict,
+               max_steps: int) -> str | None:  # fmt: skip
+    if timed_out:
+        return f"timed out after {timeout_s:g} s (timeout_s) and was stopped"
+    if exit_code != 0:
+        return f"trainer exited with code {exit_code}"
+    if not steps:
+        return "no metrics: the trainer printed no '[moe_perf] step=' lines"
+    if len(steps) < max_steps:
+        return f"only {len(steps)} of {max_steps} steps reported"
+    return None
+
+
+def run_trainer(
+    argv: list[str],
+    *,
+    cwd: Path,
+    arm_dir: Path,
+    label: str,
+    timeout_s: float,
+    kill_grace_s: float,
+    max_steps: int,
+    echo: TextIO | None = None,
+) -> LaunchResult:
+    """Run one arm's launch to the end, saving its output in `<arm_dir>/console.log`.
+
+    KeyboardInterrupt (Ctrl-C, or SIGTERM turned into one by the caller) stops every process
+    of the launch and is re-raised, so the sweep stops.
+    """
+    echo = echo or sys.stdout
+    token = uuid.uuid4().hex
+    console_log = arm_dir / "console.log"
+    with open(console_log, "w", encoding="utf-8") as log:
+        log.write("# " + " ".join(argv) + "\n")
+        start = time.perf_counter()
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=trainer_env(cwd, arm_dir, token),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the launch ourselves
+        )
+        pump = _Pump(proc.stdout, log, label, echo)
+        pump.thread.start()
+        timed_out = False
+        try:
+            exit_code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            stop_launch(proc, token, kill_grace_s)
+            exit_code = proc.returncode
+        except BaseException:
+            stop_launch(proc, token, kill_grace_s)
+            pump.thread.join(timeout=5)
+            raise
+        wall_s = time.perf_counter() - start
+        stop_launch(proc, token, kill_grace_s)  # stray workers of a finished launch, if any
+        pump.thread.join(timeout=10)
+    failure = failure_of(exit_code, timed_out, timeout_s, pump.steps, max_steps)
+    if failure and not timed_out and Path(argv[0]).name == "srun":  # launcher=slurm hook (issue 5)
+        from moe_perf import slurm  # names a step SLURM cancelled (time limit, scancel)
+
+        tail = console_log.read_text(encoding="utf-8", errors="replace")[-8000:]
+        failure = slurm.failure_reason(exit_code or 1, tail) or failure
+    steps = [pump.steps[k] for k in sorted(pump.steps)]
+    return LaunchResult(exit_code, failure, steps, pump.env, round(wall_s, 3))

@@ -1,0 +1,142 @@
+"""One arm's record, `metrics.json` (schema `moe_perf.arm/1`): per-step samples, the summary,
+the arm's commit, its exit status and the environment. Humans get a table (compare.py);
+machines get this file.
+
+`summarize(steps)` is the one summary rule (compare.py uses it too): step 1 dropped (warm-up,
+compilation), medians of the remaining steps, peak memory as their maximum.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import statistics
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+
+SCHEMA = "moe_perf.arm/1"
+STEP_KEYS = ("step", "step_time_s", "tokens_per_s", "peak_mem_gib", "loss", "tflops", "mfu")
+MEDIAN_METRICS = ("step_time_s", "tokens_per_s", "tflops", "mfu")
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _maximum(values: Iterable[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def measured_steps(steps: list[dict]) -> list[dict]:
+    """The steps a summary uses: all but the first, in step order."""
+    return sorted(steps, key=lambda s: s["step"])[1:]
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Medians of the measured steps (first dropped); peak memory is their maximum.
+
+    Values a trainer left empty (unknown) are skipped, never read as 0; a metric nobody
+    reported is None.
+    """
+    measured = measured_steps(steps)
+    summary: dict = {"steps_measured": len(measured)}
+    for key in MEDIAN_METRICS:
+        summary[key] = _median(s.get(key) for s in measured)
+    summary["peak_mem_gib"] = _maximum(s.get("peak_mem_gib") for s in measured)
+    return summary
+
+
+def step_record(sample: dict) -> dict:
+    """A parsed contract line as stored: the known keys first, any extra keys kept."""
+    known = {key: sample.get(key) for key in STEP_KEYS}
+    extra = {k: v for k, v in sample.items() if k not in STEP_KEYS and k != "max_steps"}
+    return {**known, **extra}
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
+
+
+def _installed_version(package: str) -> str | None:
+    # Read from the installed metadata: importing torch in the runner would cost seconds.
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(trainer_env: dict | None, world_size: int) -> dict:
+    """Host and versions; CUDA, NCCL and devices come from the trainer's `env` line."""
+    trainer_env = trainer_env or {}
+    return {
+        "host": socket.gethostname(),
+        "date": now_iso(),
+        "python": platform.python_version(),
+        "torch": trainer_env.get("torch") or _installed_version("torch"),
+        "cuda": trainer_env.get("cuda"),
+        "nccl": trainer_env.get("nccl"),
+        "devices": list(trainer_env.get("devices") or []),
+        "world_size": int(trainer_env.get("world_size") or world_size),
+        "trainer_env": trainer_env,
+    }
+
+
+def write_record(path: Path, record: dict) -> None:
+    """Written whole or not at all (a reader never sees half a file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def read_record(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def arm_record(
+    *,
+    config: dict,
+    sweep_id: str,
+    arm_dir: Path,
+    sha: str,
+    exit_code: int | None,
+    failure: str | None,
+    steps: list[dict],
+    trainer_env: dict | None,
+    started: str,
+    wall_time_s: float,
+    trainer_wall_s: float,
+    extra: dict | None = None,
+) -> dict:
+    """The metrics.json of one arm (schema moe_perf.arm/1)."""
+    stored_steps = [step_record(s) for s in steps]
+    world = int(config["mesh"]["nnodes"]) * int(config["mesh"]["nproc_per_node"])
+    return {
+        "schema": SCHEMA,
+        "sweep_id": sweep_id,
+        "model": config["model"]["name"],
+        "tag": config["tag"],
+        "arm": config["arm"]["name"],
+        "repeat": config["repeat"],
+        "ref": config["arm"]["ref"],
+        "sha": sha,
+        "status": "ok" if failure is None else "failed",
+        "exit_code": exit_code,
+        "failure": failure,
+        "arm_dir": str(arm_dir),
+        "log": str(arm_dir / "console.log"),
+        "started": started,
+        "finished": now_iso(),
+        "wall_time_s": round(wall_time_s, 3),
+        "trainer_wall_s": trainer_wall_s,
+        "steps": stored_steps,
+        "summary": summarize(stored_steps),
+        "environment": environment(trainer_env, world),
+        **(extra or {}),
+        "config": config,
+    }

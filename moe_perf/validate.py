@@ -1,0 +1,131 @@
+"""Prerequisites, checked before anything launches.
+
+Each failure is a `PrerequisiteError` whose message is one or two lines that name the override
+to change; the command prints it without a traceback and launches nothing. Two kinds:
+
+* per job (`check_job`): the mesh arithmetic, experts % ep, the launcher, the corpus;
+* per sweep (`check_sweep`): the repository, a clean tree, both refs resolving to commits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moe_perf import gitops
+from moe_perf.corpus import CorpusError, check_corpus
+from moe_perf.mesh import MeshError
+from moe_perf.schema import mesh_dims
+
+ARMS = ("base", "feat")
+
+
+class PrerequisiteError(ValueError):
+    """A setting or repository state that cannot run; the message names what to change."""
+
+
+def check_mesh(cfg: Any) -> None:
+    dims = mesh_dims(cfg.mesh)
+    try:
+        dims.validate(
+            sequence_length=int(cfg.training.sequence_length),
+            global_batch=int(cfg.training.global_batch),
+            micro_batch=int(cfg.training.micro_batch),
+            num_experts=int(cfg.model.num_experts),
+        )
+    except MeshError as err:
+        raise PrerequisiteError(str(err)) from None
+
+
+def check_launcher(cfg: Any) -> None:
+    if cfg.launcher.name == "local" and int(cfg.mesh.nnodes) != 1:
+        raise PrerequisiteError(
+            f"mesh.nnodes={cfg.mesh.nnodes} but launcher=local runs on this machine only: "
+            f"pick a one-node mesh or a multi-node launcher (launcher=slurm)"
+        )
+    if cfg.launcher.name == "slurm":  # launcher=slurm hook (issue 5): moe_perf/slurm.py
+        from moe_perf import slurm
+
+        try:
+            slurm.check_allocation(int(cfg.mesh.nnodes))
+        except slurm.SlurmLaunchError as err:
+            raise PrerequisiteError(str(err)) from None
+
+
+def check_trainer(cfg: Any) -> None:
+    command = list(cfg.trainer.command or [])
+    if not command:
+        raise PrerequisiteError("trainer.command is empty: set e.g. trainer.command=[-m,mytrainer]")
+    if int(cfg.training.max_steps) < 2:
+        raise PrerequisiteError(
+            f"training.max_steps={cfg.training.max_steps}: step 1 is dropped as warm-up, so at "
+            f"least 2 steps are needed; change training.max_steps"
+        )
+    if float(cfg.timeout_s) <= 0:
+        raise PrerequisiteError(f"timeout_s={cfg.timeout_s} must be > 0; change timeout_s")
+
+
+def corpus_root(cfg: Any, repo: Path) -> Path:
+    """data.root, absolute: a relative root is relative to the repository."""
+    root = Path(str(cfg.data.root)).expanduser()
+    return root if root.is_absolute() else repo / root
+
+
+def check_data(cfg: Any, repo: Path) -> None:
+    if cfg.data.corpus is None:
+        return
+    try:
+        check_corpus(corpus_root(cfg, repo), str(cfg.data.corpus), str(cfg.model.tokenizer))
+    except CorpusError as err:
+        raise PrerequisiteError(str(err)) from None
+
+
+def check_job(cfg: Any, repo: Path) -> None:
+    """Everything that depends on this job's settings, in the order a user would fix them."""
+    check_mesh(cfg)
+    check_launcher(cfg)
+    check_trainer(cfg)
+    check_data(cfg, repo)
+
+
+def find_repo(repo_setting: str, cwd: Path) -> Path:
+    path = Path(repo_setting).expanduser()
+    path = path if path.is_absolute() else cwd / path
+    try:
+        return gitops.toplevel(path)
+    except gitops.GitError:
+        raise PrerequisiteError(
+            f"repo={repo_setting}: {path} is not inside a git repository; run from your "
+            f"repository or set repo=<path>"
+        ) from None
+
+
+def check_clean_tree(repo: Path) -> None:
+    dirty = gitops.dirty_files(repo)
+    if dirty:
+        shown = ", ".join(dirty[:5]) + (f", ... ({len(dirty)} in all)" if len(dirty) > 5 else "")
+        raise PrerequisiteError(
+            f"the tree at {repo} is not clean ({shown}): commit or stash your changes first; "
+            f"untracked files count, ignored files don't. Both arms run committed code only."
+        )
+
+
+def resolve_refs(repo: Path, refs: dict[str, str | None]) -> dict[str, str]:
+    """{arm: sha}; every ref that does not name a commit is reported at once."""
+    shas, problems = {}, []
+    for arm in ARMS:
+        ref = refs.get(arm)
+        sha = gitops.resolve_ref(repo, ref) if ref else None
+        if sha is None:
+            what = f"refs.{arm}={ref}" if ref else f"refs.{arm} is not set (no branch checked out)"
+            problems.append(f"{what}: no branch, tag or commit of that name in {repo}")
+        shas[arm] = sha
+    if problems:
+        raise PrerequisiteError("; ".join(problems) + "; set refs.base=<ref> / refs.feat=<ref>")
+    return shas
+
+
+def check_sweep(repo: Path, refs: dict[str, str | None]) -> dict[str, str]:
+    """Clean tree and both refs; returns {arm: sha}, resolved once for the whole sweep."""
+    check_clean_tree(repo)
+    return resolve_refs(repo, refs)

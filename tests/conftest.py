@@ -1,0 +1,152 @@
+"""Shared fixtures: real git repositories in temp dirs, a small trainer, the real command.
+
+Git identity comes from environment variables (set for the whole session, inherited by every
+subprocess), so the tests need no global git config on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "moe_perf tests",
+    "GIT_AUTHOR_EMAIL": "tests@moe-perf.invalid",
+    "GIT_COMMITTER_NAME": "moe_perf tests",
+    "GIT_COMMITTER_EMAIL": "tests@moe-perf.invalid",
+    # never read the user's or the machine's git config (signing, hooks, default branch)
+    "GIT_CONFIG_GLOBAL": os.devnull,
+    "GIT_CONFIG_NOSYSTEM": "1",
+}
+
+# A trainer for tests: real torch work each step (a matmul loop), contract lines from rank 0.
+# The feat branch of a test repository raises EXTRA_SLEEP_S to make each step measurably slower.
+SMALL_TRAINER = textwrap.dedent(
+    '''
+    """A small trainer for tests: real torch work per step, contract lines from rank 0."""
+    import os
+    import resource
+    import sys
+    import time
+
+    import torch
+    import yaml
+
+    from moe_perf.contract import format_env, format_step
+
+    EXTRA_SLEEP_S = 0.0
+
+    cfg = yaml.safe_load(open(sys.argv[1]))
+    steps = cfg["training"]["max_steps"]
+    tokens = cfg["training"]["global_batch"] * cfg["training"]["sequence_length"]
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(cfg["training"]["seed"])
+    x = torch.randn(96, 96)
+    if rank == 0:
+        env = {"torch": torch.__version__, "cuda": None, "nccl": None, "devices": [],
+               "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+        print(format_env(env), flush=True)
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        for _ in range(30):
+            x = torch.tanh(x @ x)
+        time.sleep(EXTRA_SLEEP_S)
+        seconds = time.perf_counter() - start
+        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        if rank == 0:
+            print(format_step(step, steps, step_time_s=seconds, tokens_per_s=tokens / seconds,
+                              peak_mem_gib=peak_gib, loss=float(x.mean())), flush=True)
+    '''
+)
+
+# Overrides that select the small trainer and keep a run to a few seconds on CPU.
+SMALL_RUN = [
+    "trainer.command=[-m,mytrainer]",
+    "trainer.code_path=mytrainer",
+    "training.sequence_length=64",
+    "training.global_batch=4",
+    "training.max_steps=6",
+    "wandb.mode=disabled",
+    "timeout_s=120",
+]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def git_identity():
+    saved = {key: os.environ.get(key) for key in GIT_IDENTITY}
+    os.environ.update(GIT_IDENTITY)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # a 2-core machine shared with other tests
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def write(repo: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = repo / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def commit(repo: Path, files: dict[str, str], message: str) -> str:
+    write(repo, files)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", message)
+    return git(repo, "rev-parse", "HEAD")
+
+
+def make_repo(path: Path, files: dict[str, str] | None = None) -> Path:
+    """A git repository on branch `main` with one commit."""
+    path.mkdir(parents=True, exist_ok=True)
+    git(path, "init", "-q", "-b", "main")
+    commit(path, files or {"README.md": "a repository under test\n"}, "initial")
+    return path
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    return make_repo(tmp_path / "repo")
+
+
+def make_ab_repo(path: Path, slowdown_s: float = 0.05) -> Path:
+    """`main` with the small trainer; `feature` (checked out) sleeps `slowdown_s` per step."""
+    make_repo(path, {"mytrainer/__main__.py": SMALL_TRAINER, ".gitignore": "__pycache__/\n"})
+    git(path, "checkout", "-q", "-b", "feature")
+    slower = SMALL_TRAINER.replace("EXTRA_SLEEP_S = 0.0", f"EXTRA_SLEEP_S = {slowdown_s}")
+    commit(path, {"mytrainer/__main__.py": slower}, "feature: slower step")
+    return path
+
+
+@pytest.fixture
+def ab_repo(tmp_path: Path) -> Path:
+    return make_ab_repo(tmp_path / "repo")
+
+
+def moe_perf(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """The real command, `python -m moe_perf ARGS`, run in `cwd`."""
+    return subprocess.run(
+        [sys.executable, "-m", "moe_perf", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def sweep_dir(repo: Path) -> Path:
+    return repo / "outputs" / "validate-performance"
