@@ -286,3 +286,30 @@ def build_pipeline(
         has_last=num_stages - 1 in stage_ids,
         group=pp_group,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The train loop's PP step (train.py)
+
+
+def forward_backward(pipe: Pipeline, microbatches, autocast) -> torch.Tensor | None:
+    """train.py's step under PP: this rank's micro-batches [(inputs, labels, positions)] run as
+    one pipelined batch (the schedule splits it back along dim 0). Positions are not passed:
+    stages default to arange, or to the zig-zag ones under CP (cp.apply_context_parallel)."""
+    tokens_BS = torch.cat([mb[0] for mb in microbatches])
+    labels_BS = torch.cat([mb[1] for mb in microbatches])
+    with autocast:
+        return pipe.step(tokens_BS, labels_BS)
+
+
+def step_metrics(pipe: Pipeline, loss, model: nn.Module, device) -> tuple[torch.Tensor, float]:
+    """(mean loss tensor on every pp rank, balance losses summed over all stages).
+
+    Collectives over the pp group (a broadcast and an all-reduce): outside the timed region.
+    """
+    from moe_perf.trainer.moe import aux_loss_total
+
+    loss_value = torch.tensor(pipe.loss_to_first_rank(loss, device), device=device)
+    aux = torch.tensor([aux_loss_total(model)], dtype=torch.float64, device=device)
+    dist.all_reduce(aux, group=pipe.group)
+    return loss_value, float(aux)

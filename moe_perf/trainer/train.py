@@ -180,8 +180,7 @@ def run(cfg: Config, out=sys.stdout) -> None:
     if api:
         model = api.parallelize(model, par, cfg)
     model.train()
-    if par is not None and par.pipeline is not None:
-        raise TrainerError("mesh.pp > 1: the pipeline step is not wired into train.py yet")
+    pipe = par.pipeline if par is not None else None  # PP: the schedule runs the step (pp.py)
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95),
@@ -215,7 +214,12 @@ def run(cfg: Config, out=sys.stdout) -> None:
 
         sync(device)
         t0 = time.perf_counter()
-        loss = forward_backward(model, microbatches, offsets=offsets, autocast=autocast)
+        if pipe is not None:  # PP: forward and backward of every micro-batch, pipelined
+            from moe_perf.trainer import pp
+
+            loss = pp.forward_backward(pipe, microbatches, autocast)
+        else:
+            loss = forward_backward(model, microbatches, offsets=offsets, autocast=autocast)
         if cfg.trainer.max_grad_norm > 0:
             if api:
                 api.clip_grad_norm_(params, cfg.trainer.max_grad_norm, par)
@@ -227,8 +231,11 @@ def run(cfg: Config, out=sys.stdout) -> None:
         step_time = time.perf_counter() - t0
 
         # Outside the timed region: host syncs and small reductions for the line.
+        if pipe is not None:  # PP: the last stage's loss reaches rank 0; aux sums all stages
+            loss, aux_value = pp.step_metrics(pipe, loss, model, device)
+        else:
+            aux_value = moe.aux_loss_total(model)
         loss_value = mean_over(loss, dp_cp_group)
-        aux_value = moe.aux_loss_total(model)
         peak = peak_memory_gib(device)
         tokens_per_s = t.global_batch * S / step_time
         tflops, mfu = flops.tflops_and_mfu(cfg.model, S, tokens_per_s, dims.world, device_name,
