@@ -346,7 +346,7 @@ _COLUMNS = (  # metric, header, format
     ("step_time_s", "step time (s)", "{:.4f}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("peak_mem_gib", "peak mem (GiB)", "{:.2f}"),
-    ("tflops", "TFLOP/s", "{:.1f}"),
+    ("tflops", "TFLOP/s", "{:.4g}"),
     ("mfu", "MFU", "{:.3f}"),
 )
 
