@@ -115,8 +115,19 @@ def init_parallel(dims: MeshDims, device: torch.device | str) -> Parallel:
         device.type, (dims.pp, dims.dp, dims.cp), mesh_dim_names=("pp", "dp", "cp")
     )
     dp_cp_mesh = world_mesh["dp", "cp"]._flatten("dp_cp")
-    expert_mesh = dp_cp_mesh._unflatten(0, (dims.edp, dims.ep), ("edp", "ep"))
-    return Parallel(dims, device, world_mesh, dp_cp_mesh, expert_mesh)
+    return Parallel(dims, device, world_mesh, dp_cp_mesh, _expert_mesh(dims, device, dp_cp_mesh))
+
+
+def _expert_mesh(dims: MeshDims, device: torch.device, dp_cp_mesh: DeviceMesh) -> DeviceMesh:
+    """("edp", "ep") over this stage's dp*cp ranks: EP blocks of `ep` consecutive dp_cp ranks."""
+    if hasattr(dp_cp_mesh, "_unflatten"):
+        return dp_cp_mesh._unflatten(0, (dims.edp, dims.ep), ("edp", "ep"))
+    # Older torch (no _unflatten): a second root mesh with the same rank order, global rank =
+    # pp_i * dp_cp + edp_i * ep + ep_i, whose ("edp", "ep") submesh is the same layout.
+    mesh = init_device_mesh(
+        device.type, (dims.pp, dims.edp, dims.ep), mesh_dim_names=("pp", "edp", "ep")
+    )
+    return mesh["edp", "ep"]
 
 
 def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
