@@ -10,7 +10,8 @@ summarized by its medians, steps are never pooled across runs (with repeats an a
 median of its run medians, with the min-max spread of those), and a run whose step times
 spread widely is called unstable in plain words.
 
-`summarize(steps)` is the one summary rule; records.py (metrics.json) uses the same.
+The one summary rule, `summarize(steps)`, lives in records.py (metrics.json): a run read from
+a console log here is summarized exactly as the runner summarizes an arm.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
 from moe_perf import logparse
+from moe_perf.records import measured_steps, summarize
 
 SCHEMA = "moe_perf.comparison/1"
 ARM_SCHEMA = "moe_perf.arm/1"
 METRICS = ("step_time_s", "tokens_per_s", "peak_mem_gib", "tflops", "mfu")
-MEDIAN_METRICS = ("step_time_s", "tokens_per_s", "tflops", "mfu")  # peak_mem_gib: the maximum
 # A run is called unstable when its step times (first step dropped) span more than this
 # fraction of their median. Plain max-min rather than a standard deviation: with 7 steps one
 # straggler is exactly what we want to see.
@@ -39,32 +39,6 @@ ARM_ORDER = ("base", "feat")
 
 
 # ---- one run ---------------------------------------------------------------------------------
-
-
-def _median(values: Iterable[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
-def _maximum(values: Iterable[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return max(known) if known else None
-
-
-def measured_steps(steps: list[dict]) -> list[dict]:
-    """The steps a summary uses: all but the first (warm-up), in step order."""
-    ordered = sorted(steps, key=lambda s: s["step"])
-    return ordered[1:]
-
-
-def summarize(steps: list[dict]) -> dict:
-    """Summary of one run: medians of the measured steps, peak memory as their maximum."""
-    measured = measured_steps(steps)
-    summary: dict = {"steps_measured": len(measured)}
-    for key in MEDIAN_METRICS:
-        summary[key] = _median(s.get(key) for s in measured)
-    summary["peak_mem_gib"] = _maximum(s.get("peak_mem_gib") for s in measured)
-    return summary
 
 
 def stability_warning(steps: list[dict]) -> str | None:
