@@ -478,6 +478,11 @@ def compare_sweep(sweep_dir: Path | str, write: bool = True) -> tuple[dict, str]
     return report, render(report)
 
 
+def _short(path: Path) -> str:
+    """`<arm dir>/console.log`: runner logs are all named console.log."""
+    return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+
+
 def compare_paths(
     base: Path, feat: Path, fmt: str = "auto", out_dir: Path | None = None, **options
 ) -> tuple[dict, str]:
@@ -486,7 +491,7 @@ def compare_paths(
     keys = {(r.get("model"), r.get("tag")) for r in records}
     if len(keys) > 1 or keys == {("-", "-")}:
         for record in records:  # two files named on purpose: compare them as one group
-            record["model"], record["tag"] = "files", f"{base.name} vs {feat.name}"
+            record["model"], record["tag"] = "files", f"{_short(base)} vs {_short(feat)}"
     notes = [f"{r['arm']}: {r['_path']} ({r.get('log_format', 'metrics.json')})" for r in records]
     report = compare_records(records, notes)
     if out_dir is not None:
