@@ -20,6 +20,7 @@ from moe_perf.trainer.cp import (
     zigzag_positions,
 )
 from tests.distributed_util import run_distributed
+from tests.mesh_equivalence import check_meshes
 
 RTOL, ATOL = 1e-10, 1e-12
 
@@ -111,3 +112,25 @@ def _check_attention(rank: int, world_size: int) -> None:
 def test_cp_attention_matches_full_causal_attention():
     """cp=2 (two groups of two) and cp=4 in one 4-process run; GQA, a window, both paths."""
     run_distributed(_check_attention, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's own path (parallelize + train step) on cp meshes: tests/mesh_equivalence.py
+# (router top-k routing: forced balance numbers a rank's zig-zag tokens as one block).
+
+
+def test_trainer_cp2_matches_single_process():
+    """cp2 (dp1): global-batch loss; sequence loss (counts all-reduced over the cp group)."""
+    run_distributed(
+        check_meshes,
+        2,
+        [
+            dict(cp=2, micro_batch=2, benchmark=False),
+            dict(cp=2, micro_batch=1, benchmark=False, load_balance="sequence"),
+        ],
+    )
+
+
+def test_trainer_cp2_ep2_matches_single_process():
+    """cp2 x ep2 (dp2, the cp2_ep2 preset's mesh), global-batch loss."""
+    run_distributed(check_meshes, 4, [dict(cp=2, ep=2, micro_batch=1, benchmark=False)])

@@ -28,6 +28,7 @@ from moe_perf.trainer.pp import (
     stage_layers,
 )
 from tests.distributed_util import run_distributed
+from tests.mesh_equivalence import check_meshes
 
 RTOL, ATOL = 1e-9, 1e-12
 SEQ, LOCAL_BATCH = 16, 4  # micro_batch 1: 4 microbatches
@@ -197,3 +198,24 @@ def _check_pp2_cp2(rank: int, world_size: int) -> None:
 def test_pp2_cp2_matches_single_process():
     """Pipeline stages in context-parallel mode: RoPE positions reach every stage."""
     run_distributed(_check_pp2_cp2, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's own path (parallelize + train step) on pp meshes: tests/mesh_equivalence.py
+
+
+def test_trainer_pp2_matches_single_process():
+    """pp2 (dp1): forced balance + global-batch loss; real routing + sequence loss."""
+    run_distributed(
+        check_meshes,
+        2,
+        [
+            dict(pp_=2, micro_batch=1),
+            dict(pp_=2, micro_batch=2, benchmark=False, load_balance="sequence"),
+        ],
+    )
+
+
+def test_trainer_pp2_ep2_matches_single_process():
+    """pp2 x ep2 (dp2, the pp2_ep2 preset's mesh), forced balance, global-batch loss."""
+    run_distributed(check_meshes, 4, [dict(pp_=2, ep=2, micro_batch=1)])
