@@ -179,10 +179,12 @@ def run(cfg: Config, out=sys.stdout) -> None:
         apply_fp8(model, device)
     if api:
         model = api.parallelize(model, par, cfg)
-    model.train()
     pipe = par.pipeline if par is not None else None  # PP: the schedule runs the step (pp.py)
-
-    params = [p for p in model.parameters() if p.requires_grad]
+    # Under PP with virtual stages a rank holds several stage modules: train all of them.
+    parts = [st.submod for st in pipe.stages] if pipe is not None else [model]
+    for part in parts:
+        part.train()
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.trainer.weight_decay)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) \
@@ -232,7 +234,7 @@ def run(cfg: Config, out=sys.stdout) -> None:
 
         # Outside the timed region: host syncs and small reductions for the line.
         if pipe is not None:  # PP: the last stage's loss reaches rank 0; aux sums all stages
-            loss, aux_value = pp.step_metrics(pipe, loss, model, device)
+            loss, aux_value = pp.step_metrics(pipe, loss, torch.nn.ModuleList(parts), device)
         else:
             aux_value = moe.aux_loss_total(model)
         loss_value = mean_over(loss, dp_cp_group)
