@@ -116,10 +116,16 @@ def sweep_job_overrides(job: Job) -> list[list[str]] | None:
     return [list(j) for batch in BasicSweeper.split_arguments(parsed, None) for j in batch]
 
 
-def check_all_jobs(job: Job, repo: Path) -> None:
-    """Every job's prerequisites, before the first arm launches (multirun only)."""
+def check_all_jobs(job: Job, repo: Path) -> bool:
+    """Every job's prerequisites, before the first arm launches (multirun only).
+
+    False when the sweep's jobs cannot be listed (a sweeper other than the basic one).
+    """
+    all_overrides = sweep_job_overrides(job)
+    if all_overrides is None:
+        return False
     problems = []
-    for overrides in sweep_job_overrides(job) or []:
+    for overrides in all_overrides:
         try:
             job_cfg = hydra.compose(config_name=job.config_name, overrides=overrides)
             validate.check_job(job_cfg, repo)
@@ -130,6 +136,7 @@ def check_all_jobs(job: Job, repo: Path) -> None:
     if problems:
         raise PrerequisiteError(f"{len(problems)} job(s) of this sweep cannot run:\n  " +
                                 "\n  ".join(problems))  # fmt: skip
+    return True
 
 
 def trainer_code_note(repo: Path, code_path: str, shas: dict) -> str | None:
@@ -153,8 +160,8 @@ def start_sweep(cfg: DictConfig, job: Job) -> sweeps.Sweep:
     try:
         refs = {"base": cfg.refs.base, "feat": cfg.refs.feat}
         shas = validate.check_sweep(repo, refs)
-        if job.multirun:
-            check_all_jobs(job, repo)
+        if not (job.multirun and check_all_jobs(job, repo)):
+            validate.check_job(cfg, repo)  # before the sweep's state is written
     except BaseException:
         _LOCKS.pop(str(repo)).release()
         raise

@@ -26,13 +26,13 @@ class LockBusy(RuntimeError):
     """Another sweep holds the repository's lock."""
 
 
-def git(repo: str | Path, *args: str) -> str:
+def git(repo: str | Path, *args: str, strip: bool = True) -> str:
     proc = subprocess.run(
         ["git", "-C", str(repo), *args], capture_output=True, text=True, check=False
     )
     if proc.returncode != 0:
         raise GitError(f"git {' '.join(args)}: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc.stdout.strip()
+    return proc.stdout.strip() if strip else proc.stdout
 
 
 def toplevel(path: str | Path) -> Path:
@@ -72,7 +72,8 @@ def resolve_ref(repo: str | Path, ref: str) -> str | None:
 
 def dirty_files(repo: str | Path) -> list[str]:
     """Modified, staged and untracked paths (ignored files do not count)."""
-    out = git(repo, "status", "--porcelain=v1", "--untracked-files=all")
+    # not stripped: the status columns start with a space (" M file")
+    out = git(repo, "status", "--porcelain=v1", "--untracked-files=all", strip=False)
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 

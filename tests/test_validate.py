@@ -1,0 +1,101 @@
+"""Every prerequisite violation: a short message naming what to change, exit code 2, nothing
+launched and no arm directory left. Through the real command, in real git repositories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import commit, git, moe_perf, sweep_dir, write
+from hydra import compose, initialize_config_module
+
+from moe_perf import validate
+
+# (overrides, words the message must contain: the override to change and the arithmetic)
+VIOLATIONS = {
+    "world % pp": (["mesh.nproc_per_node=3", "mesh.pp=2"], ["mesh.pp", "world 3 % mesh.pp=2"]),
+    "cp divides world/pp": (["mesh=ep2", "mesh.cp=4"], ["mesh.cp=4", "world/pp"]),
+    "ep divides world/pp": (["mesh.nproc_per_node=3", "mesh.ep=2"], ["mesh.ep=2", "world/pp"]),
+    "seq % 2cp": (["mesh=cp2_ep2", "training.sequence_length=66"], ["training.sequence_length"]),
+    "batch per dp >= 2pp": (["mesh=pp2_ep2", "training.global_batch=4"], ["training.global_batch"]),
+    "batch % dp": (["mesh=ep4", "training.global_batch=6"], ["training.global_batch=6", "dp"]),
+    "micro batch": (["training.micro_batch=5"], ["training.micro_batch=5"]),
+    "experts % ep": (["mesh=ep4", "model.num_experts=6"], ["model.num_experts=6", "mesh.ep=4"]),
+    "corpus": (["data.corpus=dclm"], ["data.corpus=dclm", "moe_perf.trainer.data build"]),
+    "one node locally": (["mesh=pp2_ep8"], ["mesh.nnodes=2", "launcher=local"]),
+    "missing ref": (["refs.base=no-such-branch"], ["refs.base=no-such-branch"]),
+    "max steps": (["training.max_steps=1"], ["training.max_steps"]),
+}  # fmt: skip
+
+
+def assert_nothing_launched(repo: Path) -> None:
+    outputs = sweep_dir(repo)
+    arm_dirs = [p for p in outputs.glob("*/*") if p.name != "previous"] if outputs.exists() else []
+    assert arm_dirs == []
+    assert not list(repo.rglob("console.log")) and not list(repo.rglob("metrics.json"))
+    assert len(git(repo, "worktree", "list").splitlines()) == 1
+
+
+@pytest.mark.parametrize("name", list(VIOLATIONS))
+def test_prerequisite_violation(repo, name):
+    overrides, words = VIOLATIONS[name]
+    result = moe_perf(repo, *overrides, "wandb.mode=disabled")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    message = next(line for line in result.stderr.splitlines() if "cannot run" in line)
+    for word in words:
+        assert word in message
+    assert_nothing_launched(repo)
+
+
+def test_dirty_tree_untracked_counts_ignored_does_not(repo):
+    commit(repo, {".gitignore": "scratch/\n"}, "ignore scratch")
+    write(repo, {"scratch/notes.txt": "ignored\n"})
+    write(repo, {"new_file.py": "untracked\n"})
+    result = moe_perf(repo, "wandb.mode=disabled")
+    assert result.returncode == 2
+    assert "not clean" in result.stderr and "new_file.py" in result.stderr
+    assert "scratch" not in result.stderr
+    assert_nothing_launched(repo)
+
+    (repo / "new_file.py").unlink()
+    write(repo, {"README.md": "modified\n"})
+    result = moe_perf(repo, "wandb.mode=disabled")
+    assert result.returncode == 2 and "README.md" in result.stderr
+    assert_nothing_launched(repo)
+
+
+def test_a_failing_job_stops_the_whole_sweep_before_any_arm(repo):
+    result = moe_perf(repo, "model.num_experts=6", "-m", "mesh=single,ep4", "arm=base,feat")
+    assert result.returncode == 2
+    assert "2 job(s) of this sweep cannot run" in result.stderr
+    assert "mesh=ep4" in result.stderr and "model.num_experts=6 % mesh.ep=4" in result.stderr
+    assert "sweep is stopped" in result.stderr
+    assert_nothing_launched(repo)
+
+
+def test_not_a_repository(tmp_path):
+    result = moe_perf(tmp_path, "wandb.mode=disabled")
+    assert result.returncode == 2
+    assert "repo=." in result.stderr and "not inside a git repository" in result.stderr
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_check_job_accepts_every_default_and_refuses_each_violation(tmp_path):
+    validate.check_job(compose_cfg(), tmp_path)
+    for name, (overrides, words) in VIOLATIONS.items():
+        if name in ("missing ref",):
+            continue  # a sweep-level check
+        with pytest.raises(validate.PrerequisiteError) as err:
+            validate.check_job(compose_cfg(*overrides), tmp_path)
+        assert words[0] in str(err.value), name
+
+
+def test_refs_are_reported_together(repo):
+    with pytest.raises(validate.PrerequisiteError) as err:
+        validate.resolve_refs(repo, {"base": "nope", "feat": None})
+    assert "refs.base=nope" in str(err.value) and "refs.feat is not set" in str(err.value)
