@@ -72,6 +72,9 @@ class AllToAllDispatcher:
         start = self.ep_rank * self.num_local_experts
         return start, start + self.num_local_experts
 
+    # Eager under torch.compile: the split sizes are host ints that change with routing, and
+    # a compiled graph specialised on them would recompile; the block compiles around them.
+    @torch.compiler.disable
     def dispatch(self, x_TD: torch.Tensor, topk_idx_TK: torch.Tensor):
         T, K = topk_idx_TK.shape
         E, L, ep = self.num_experts, self.num_local_experts, self.ep
@@ -110,6 +113,7 @@ class AllToAllDispatcher:
         )
         return x_ND, tokens_per_expert_L, state
 
+    @torch.compiler.disable
     def combine(self, y_ND: torch.Tensor, state: DispatchState) -> torch.Tensor:
         y_recv_ND = y_ND.index_select(0, state.inv_recv_perm_N)
         y_SD = all_to_all_autograd(y_recv_ND, state.send_splits, state.recv_splits, self.ep_group)
