@@ -2,7 +2,14 @@
 
     init_parallel(mesh_dims, device) -> Parallel    once, after init_process_group
     parallelize(model, par, cfg) -> model           on the full model, built identically on
-                                                    every rank from the same seed
+                                                    every rank from the same seed (with
+                                                    balance_ep = mesh.ep for forced balance)
+    clip_grad_norm_(params, max_norm, par)          global norm over FSDP and EP shards
+
+The train loop reads ranks and groups from `Parallel` (`rank("dp")`, `dp_cp_rank`,
+`group("dp_cp")`, ...), sets the forced-balance token offset per micro-batch
+(moe.set_token_offset) and, under pp > 1, runs `par.pipeline.step(...)` (pp.py) instead of
+forward/backward on the returned ModuleList of local stages.
 
 Order (each step sees the model the previous one left):
   1. pipeline split        pp.py, when mesh.pp > 1 (steps 2-5 then run on each local stage)
@@ -277,7 +284,7 @@ def clip_grad_norm_(params, max_norm: float, par: Parallel) -> torch.Tensor:
     Each gradient element lives on exactly one rank of dp*cp (FSDP shards over dp*cp; expert
     shards over edp x ep = dp*cp) and on one pipeline stage, so the squared norm is the sum of
     local squares all-reduced over dp_cp and pp. torch's clip_grad_norm_ cannot mix DTensors of
-    the edp and dp_cp meshes. One all_reduce per group (and a host sync for nothing: the scale
+    the edp and dp_cp meshes. One small all_reduce per group; no host sync (the clip scale
     stays on the device).
     """
     grads = [p.grad for p in params if p.grad is not None]
