@@ -20,7 +20,7 @@ from torch import nn
 
 
 def forced_expert_ids(
-    global_token_offset: int, num_tokens: int, top_k: int, num_experts: int, ep: int, device=None
+    global_token_offset: int | torch.Tensor, num_tokens: int, top_k: int, num_experts: int, ep: int, device=None
 ) -> torch.Tensor:
     """Round-robin expert ids over the GLOBAL slot index s = g*K + k, g = offset + i.
 
@@ -90,7 +90,10 @@ class LocalDispatcher:
         K = topk_idx_TK.shape[1]
         idx_N = topk_idx_TK.reshape(-1)
         order_N = torch.argsort(idx_N, stable=True)
-        tokens_per_expert_L = torch.bincount(idx_N, minlength=self.num_experts)
+        # scatter_add rather than bincount: a fixed output size, which torch.compile can trace.
+        tokens_per_expert_L = torch.zeros(self.num_experts, dtype=torch.long,
+                                          device=idx_N.device).scatter_add_(
+            0, idx_N, torch.ones_like(idx_N))
         x_ND = x_TD.index_select(0, order_N // K)
         return x_ND, tokens_per_expert_L, (order_N, topk_idx_TK.shape)
 
@@ -272,7 +275,8 @@ class MoE(nn.Module):
 
     Attributes set from outside (not parameters):
       global_token_offset  global index of this rank's first token of the current micro-batch
-                           (forced balance); `set_token_offset(model, offset)` sets all layers.
+                           (forced balance), kept in the `token_offset` buffer;
+                           `set_token_offset(model, offset)` sets all layers.
       load_balance_group   data x context process group for the global-batch loss (None: one
                            process); cp_group for the sequence loss under context parallel.
       aux_loss_grad_scale  gradient the balance loss gets per backward (1/micro-batches).
@@ -300,11 +304,21 @@ class MoE(nn.Module):
         self.force_balance, self.balance_ep = force_balance, balance_ep
         if force_balance and num_experts % balance_ep:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep={balance_ep}")
-        self.global_token_offset = 0
+        # A 0-d tensor, not a Python int: torch.compile would specialize on (and recompile
+        # for) every new int offset; a tensor value is not guarded.
+        self.register_buffer("token_offset", torch.zeros((), dtype=torch.long), persistent=False)
         self.load_balance_group = None
         self.cp_group = None
         self.aux_loss_grad_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
+
+    @property
+    def global_token_offset(self) -> int:
+        return int(self.token_offset)  # a host sync: for tests and logs only
+
+    @global_token_offset.setter
+    def global_token_offset(self, offset: int) -> None:
+        self.token_offset.fill_(offset)  # in place: no sync, and compiled code sees the value
 
     def init_weights(self, std: float, out_std: float) -> None:
         nn.init.trunc_normal_(self.router.gate.weight, std=std)
@@ -321,7 +335,7 @@ class MoE(nn.Module):
         scores_TE, real_idx_TK, _ = self.router(x_TD)
         idx_TK = real_idx_TK
         if self.force_balance:
-            idx_TK = forced_expert_ids(self.global_token_offset, x_TD.shape[0], self.top_k,
+            idx_TK = forced_expert_ids(self.token_offset, x_TD.shape[0], self.top_k,
                                        self.num_experts, self.balance_ep, x_TD.device)
         return scores_TE, real_idx_TK, idx_TK, self.router.gating(scores_TE, idx_TK)
 
