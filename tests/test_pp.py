@@ -205,12 +205,15 @@ def test_pp2_cp2_matches_single_process():
 
 
 def test_trainer_pp2_matches_single_process():
-    """pp2 (dp1): forced balance + global-batch loss; real routing + sequence loss."""
+    """pp2 (dp1): forced balance + global-batch loss; the same with activation checkpointing
+    (1F1B recomputes a micro-batch's routing after later forwards; 6 experts so that forced
+    ids differ between micro-batches); real routing + sequence loss."""
     run_distributed(
         check_meshes,
         2,
         [
             dict(pp_=2, micro_batch=1),
+            dict(pp_=2, micro_batch=1, ac="full", experts=6),
             dict(pp_=2, micro_batch=2, benchmark=False, load_balance="sequence"),
         ],
     )
