@@ -41,9 +41,16 @@ def make_config(args) -> dict:
         "model": model,
         "mesh": {"nnodes": 1, "nproc_per_node": 1, "pp": 1, "cp": 1, "ep": 1},
         "dtype": {"name": args.dtype, "fp8": args.dtype == "fp8"},
-        "training": {"sequence_length": args.seq, "global_batch": args.global_batch,
-                     "micro_batch": args.micro_batch, "max_steps": args.steps,
-                     "benchmark": True, "seed": 1234, "lr": 3e-4, "device": args.device},
+        "training": {
+            "sequence_length": args.seq,
+            "global_batch": args.global_batch,
+            "micro_batch": args.micro_batch,
+            "max_steps": args.steps,
+            "benchmark": True,
+            "seed": 1234,
+            "lr": 3e-4,
+            "device": args.device,
+        },
         "data": {"corpus": None, "root": str(ROOT / "workspace" / "datasets")},
         "trainer": trainer,
     }
@@ -60,8 +67,13 @@ def main() -> int:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "fp32"])
     p.add_argument("--device", default="auto")
     p.add_argument("--launcher", default="torchrun", choices=["torchrun", "python"])
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="extra config overrides passed to the trainer")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="extra config overrides passed to the trainer",
+    )
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench"))
     args = p.parse_args()
 
@@ -69,14 +81,28 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.yaml"
     cfg_path.write_text(yaml.safe_dump(make_config(args), sort_keys=False))
-    launch = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
-              if args.launcher == "torchrun" else [sys.executable])
+    launch = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+        ]
+        if args.launcher == "torchrun"
+        else [sys.executable]
+    )
     cmd = [*launch, "-m", "moe_perf.trainer", str(cfg_path), *args.set]
     print("+", " ".join(cmd), flush=True)
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
     steps, environment = [], None
@@ -99,19 +125,29 @@ def main() -> int:
         return statistics.median(vals) if vals else None
 
     summary = {
-        "model": args.model, "layers": args.layers, "seq": args.seq,
-        "global_batch": args.global_batch, "micro_batch": args.micro_batch,
-        "dtype": args.dtype, "steps_measured": len(measured),
-        "step_time_s": med("step_time_s"), "tokens_per_s": med("tokens_per_s"),
-        "tflops": med("tflops"), "mfu": med("mfu"),
-        "peak_mem_gib": max(s["peak_mem_gib"] for s in steps), "wall_s": round(wall, 1),
-        "command": " ".join(cmd), "environment": environment,
+        "model": args.model,
+        "layers": args.layers,
+        "seq": args.seq,
+        "global_batch": args.global_batch,
+        "micro_batch": args.micro_batch,
+        "dtype": args.dtype,
+        "steps_measured": len(measured),
+        "step_time_s": med("step_time_s"),
+        "tokens_per_s": med("tokens_per_s"),
+        "tflops": med("tflops"),
+        "mfu": med("mfu"),
+        "peak_mem_gib": max(s["peak_mem_gib"] for s in steps),
+        "wall_s": round(wall, 1),
+        "command": " ".join(cmd),
+        "environment": environment,
     }
     (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
     mfu = "n/a" if summary["mfu"] is None else f"{summary['mfu']:.3f}"
-    print(f"\nbench: {args.model} x{args.layers} layers, seq {args.seq}, {args.dtype}, "
-          f"global batch {args.global_batch} (micro {args.micro_batch}), "
-          f"median of {len(measured)} steps")
+    print(
+        f"\nbench: {args.model} x{args.layers} layers, seq {args.seq}, {args.dtype}, "
+        f"global batch {args.global_batch} (micro {args.micro_batch}), "
+        f"median of {len(measured)} steps"
+    )
     print(f"  tokens/s      {summary['tokens_per_s']:.1f}")
     print(f"  TFLOP/s/GPU   {summary['tflops']:.2f}")
     print(f"  MFU           {mfu}")

@@ -28,30 +28,36 @@ def corpus_dir(root: str | Path, corpus: str, tokenizer: str) -> Path:
 
 
 def build_command(path: str | Path) -> str:
-    return (f"python -m moe_perf.trainer.data build --tokenizer-file <tokenizer.json> "
-            f"--text <text files> --out {path}")
+    return (
+        f"python -m moe_perf.trainer.data build --tokenizer-file <tokenizer.json> "
+        f"--text <text files> --out {path}"
+    )
 
 
 def check_corpus(root: str | Path, corpus: str, tokenizer: str) -> Path:
     """The corpus directory; CorpusError naming `data.corpus` and the build command if absent
     or unreadable."""
     path = corpus_dir(root, corpus, tokenizer)
-    how = (f"Build it with `{build_command(path)}`, or set data.corpus=null for synthetic "
-           f"tokens")
+    how = f"Build it with `{build_command(path)}`, or set data.corpus=null for synthetic tokens"
     meta_path, tokens_path = path / META_FILE, path / TOKENS_FILE
     if not meta_path.is_file() or not tokens_path.is_file():
         raise CorpusError(
-            f"data.corpus={corpus}: no tokenized corpus at {path} (tokenizer {tokenizer}). {how}")
+            f"data.corpus={corpus}: no tokenized corpus at {path} (tokenizer {tokenizer}). {how}"
+        )
     try:
         meta = json.loads(meta_path.read_text())
-        ok = meta.get("format") == FORMAT and meta.get("dtype") == "uint32" \
+        ok = (
+            meta.get("format") == FORMAT
+            and meta.get("dtype") == "uint32"
             and tokens_path.stat().st_size == 4 * int(meta["num_tokens"])
+        )
     except (OSError, ValueError, KeyError, TypeError):
         ok = False
     if not ok:
         raise CorpusError(
             f"data.corpus={corpus}: {path} is not a complete {FORMAT} corpus (meta.json and "
-            f"tokens.bin disagree or are unreadable). Rebuild it with `{build_command(path)}`")
+            f"tokens.bin disagree or are unreadable). Rebuild it with `{build_command(path)}`"
+        )
     return path
 
 

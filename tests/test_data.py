@@ -30,8 +30,10 @@ def test_synthetic_tokens_are_seeded_per_step():
 def test_dp_ranks_share_the_global_batch_micro_batch_major(dp, mb):
     src, G, S = SyntheticTokens(50, seed=0), 8, 6
     rows = src.global_batch(1, G, S)
-    shares = [local_microbatches(src, 1, global_batch=G, micro_batch=mb, seq=S, dp=dp, dp_rank=r)
-              for r in range(dp)]
+    shares = [
+        local_microbatches(src, 1, global_batch=G, micro_batch=mb, seq=S, dp=dp, dp_rank=r)
+        for r in range(dp)
+    ]
     n_micro = G // (dp * mb)
     assert all(len(s) == n_micro for s in shares)
     # Micro-batch m of rank r holds rows [(m*dp + r)*mb, ...): global token index order.
@@ -50,8 +52,10 @@ def tokenizer_file(tmp_path_factory):
     tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<|endoftext|>"])
-    text = ["the quick brown fox jumps over the lazy dog " * 20,
-            "pack my box with five dozen liquor jugs " * 20]
+    text = [
+        "the quick brown fox jumps over the lazy dog " * 20,
+        "pack my box with five dozen liquor jugs " * 20,
+    ]
     tok.train_from_iterator(text, trainer)
     path = d / "tokenizer.json"
     tok.save(str(path))
@@ -61,16 +65,40 @@ def tokenizer_file(tmp_path_factory):
 def test_corpus_build_and_read(tmp_path, tokenizer_file):
     (tmp_path / "a.txt").write_text("the quick brown fox " * 50)
     (tmp_path / "b.jsonl").write_text(
-        "\n".join(json.dumps({"text": f"pack my box {i} with jugs"}) for i in range(30)) + "\n")
+        "\n".join(json.dumps({"text": f"pack my box {i} with jugs"}) for i in range(30)) + "\n"
+    )
     out = corpus_dir(tmp_path / "datasets", "mini", "toy")
-    assert main(["build", "--tokenizer-file", str(tokenizer_file), "--text",
-                 str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "build",
+                "--tokenizer-file",
+                str(tokenizer_file),
+                "--text",
+                str(tmp_path / "a.txt"),
+                str(tmp_path / "b.jsonl"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert check_corpus(tmp_path / "datasets", "mini", "toy") == out
     meta = json.loads((out / "meta.json").read_text())
     assert meta["num_tokens"] > 100 and meta["vocab_size"] <= 120
-    model = ModelConfig(name="t", vocab_size=128, hidden=8, num_layers=1, num_heads=1,
-                        num_kv_heads=1, head_dim=8, num_experts=2, top_k=1, expert_ffn=8,
-                        tokenizer="toy")
+    model = ModelConfig(
+        name="t",
+        vocab_size=128,
+        hidden=8,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        num_experts=2,
+        top_k=1,
+        expert_ffn=8,
+        tokenizer="toy",
+    )
     src = make_source(DataConfig(corpus="mini", root=str(tmp_path / "datasets")), model, 0)
     assert isinstance(src, CorpusTokens)
     batch = src.global_batch(2, 3, 16)
@@ -82,8 +110,11 @@ def test_corpus_build_and_read(tmp_path, tokenizer_file):
 
     # A model whose vocabulary is too small for this tokenizer is refused.
     with pytest.raises(ValueError, match="vocab_size"):
-        make_source(DataConfig(corpus="mini", root=str(tmp_path / "datasets")),
-                    ModelConfig(**{**model.__dict__, "vocab_size": 16}), 0)
+        make_source(
+            DataConfig(corpus="mini", root=str(tmp_path / "datasets")),
+            ModelConfig(**{**model.__dict__, "vocab_size": 16}),
+            0,
+        )
 
 
 def test_missing_corpus_names_the_override_and_the_command(tmp_path):
@@ -98,8 +129,9 @@ def test_missing_corpus_names_the_override_and_the_command(tmp_path):
 def test_truncated_corpus_is_refused(tmp_path):
     d = corpus_dir(tmp_path, "c", "t")
     d.mkdir(parents=True)
-    (d / "meta.json").write_text(json.dumps(
-        {"format": "moe_perf.toktxt/1", "dtype": "uint32", "num_tokens": 10}))
+    (d / "meta.json").write_text(
+        json.dumps({"format": "moe_perf.toktxt/1", "dtype": "uint32", "num_tokens": 10})
+    )
     (d / "tokens.bin").write_bytes(b"\0" * 12)
     with pytest.raises(CorpusError, match="Rebuild"):
         check_corpus(tmp_path, "c", "t")

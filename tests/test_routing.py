@@ -61,8 +61,9 @@ def test_a_rank_alone_is_not_skewed_toward_low_experts():
     ids = step_ids(E, K, T, 1, dp, n_micro)
     counts = torch.bincount(torch.cat([i.reshape(-1) for i in ids.values()]), minlength=E)
     assert counts.tolist() == [T * K * dp * n_micro // E] * E
-    naive = torch.bincount(torch.cat([forced_expert_ids(0, T, K, E, 1).reshape(-1)] * dp * n_micro),
-                           minlength=E)
+    naive = torch.bincount(
+        torch.cat([forced_expert_ids(0, T, K, E, 1).reshape(-1)] * dp * n_micro), minlength=E
+    )
     assert naive.max() > naive.min()  # what the global index avoids
 
 
@@ -83,8 +84,7 @@ def test_forced_ids_need_experts_divisible_by_ep():
         forced_expert_ids(0, 4, 2, 6, 4)
 
 
-@pytest.mark.parametrize("router,norm", [("softmax", True), ("softmax", False),
-                                         ("sigmoid", True)])
+@pytest.mark.parametrize("router,norm", [("softmax", True), ("softmax", False), ("sigmoid", True)])
 def test_moe_dispatches_forced_ids_with_real_scores(router, norm):
     torch.manual_seed(0)
     E, K, D = 8, 2, 16

@@ -22,9 +22,16 @@ def write_config(tmp_path: Path, **sections) -> Path:
         "model": yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text()),
         "mesh": {"nnodes": 1, "nproc_per_node": 1, "pp": 1, "cp": 1, "ep": 1},
         "dtype": {"name": "fp32", "fp8": False},
-        "training": {"sequence_length": 64, "global_batch": 4, "micro_batch": 1,
-                     "max_steps": 3, "benchmark": True, "seed": 5, "lr": 1e-3,
-                     "device": "cpu"},
+        "training": {
+            "sequence_length": 64,
+            "global_batch": 4,
+            "micro_batch": 1,
+            "max_steps": 3,
+            "benchmark": True,
+            "seed": 5,
+            "lr": 1e-3,
+            "device": "cpu",
+        },
         "data": {"corpus": None, "root": str(tmp_path / "datasets")},
         "trainer": yaml.safe_load((ROOT / "conf" / "trainer" / "reference.yaml").read_text()),
         "wandb": {"mode": "disabled"},  # sections the trainer does not read are ignored
@@ -38,8 +45,9 @@ def write_config(tmp_path: Path, **sections) -> Path:
 
 def run_trainer(args: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
+    )
     steps = [s for s in map(contract.parse_step, proc.stdout.splitlines()) if s]
     return proc, steps
 
@@ -59,9 +67,21 @@ def check_lines(proc, steps, max_steps: int, world: int) -> None:
 
 def torchrun(nproc: int, cfg: Path, *overrides: str):
     return run_trainer(
-        ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--rdzv-backend",
-         "c10d", "--rdzv-endpoint", "localhost:0", "-m", "moe_perf.trainer", str(cfg),
-         *overrides])
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            "localhost:0",
+            "-m",
+            "moe_perf.trainer",
+            str(cfg),
+            *overrides,
+        ]
+    )
 
 
 @pytest.mark.slow
@@ -110,8 +130,10 @@ def test_mesh_errors_use_the_runners_messages(tmp_path, capsys):
 def test_world_size_mismatch_is_refused(tmp_path, capsys):
     cfg = write_config(tmp_path, mesh={"nproc_per_node": 2})
     assert main([str(cfg)]) == 2
-    assert "launched with 1 processes but mesh.nnodes * mesh.nproc_per_node = 2" \
+    assert (
+        "launched with 1 processes but mesh.nnodes * mesh.nproc_per_node = 2"
         in capsys.readouterr().err
+    )
 
 
 def test_fp8_on_cpu_is_a_clear_error(tmp_path, capsys):

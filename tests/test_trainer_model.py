@@ -37,11 +37,21 @@ def shrunk(name: str) -> ModelConfig:
     m = model_config(name)
     scale = 16 / m.head_dim
     return dataclasses.replace(
-        m, vocab_size=256, hidden=64, num_layers=3, num_heads=4,
-        num_kv_heads=4 // (m.num_heads // m.num_kv_heads) or 1, head_dim=16,
-        v_head_dim=int(m.v_head_dim * scale) if m.v_head_dim else None, num_experts=8,
-        top_k=min(m.top_k, 4), expert_ffn=32, shared_expert_ffn=32 if m.num_shared_experts else 0,
-        dense_layers=min(m.dense_layers, 1), dense_ffn=48 if m.dense_layers else 0)
+        m,
+        vocab_size=256,
+        hidden=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=4 // (m.num_heads // m.num_kv_heads) or 1,
+        head_dim=16,
+        v_head_dim=int(m.v_head_dim * scale) if m.v_head_dim else None,
+        num_experts=8,
+        top_k=min(m.top_k, 4),
+        expert_ffn=32,
+        shared_expert_ffn=32 if m.num_shared_experts else 0,
+        dense_layers=min(m.dense_layers, 1),
+        dense_ffn=48 if m.dense_layers else 0,
+    )
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -84,8 +94,9 @@ def test_same_seed_same_model_and_positions_reach_rope():
         assert not torch.allclose(a(tokens, pos.flip(1)), base, atol=1e-3)
 
 
-@pytest.mark.parametrize("dtype,clamp", [(torch.float32, 0.0), (torch.float32, 7.0),
-                                         (torch.bfloat16, 0.0)])
+@pytest.mark.parametrize(
+    "dtype,clamp", [(torch.float32, 0.0), (torch.float32, 7.0), (torch.bfloat16, 0.0)]
+)
 @pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
 def test_grouped_experts_equal_a_per_expert_reference(dtype, clamp, backend):
     torch.manual_seed(0)
@@ -104,7 +115,7 @@ def test_grouped_experts_equal_a_per_expert_reference(dtype, clamp, backend):
     experts.zero_grad()
     ref, start = [], 0
     for e, n in enumerate(counts.tolist()):
-        x = x_ND[start:start + n]
+        x = x_ND[start : start + n]
         ref.append(swiglu(x @ experts.w1[e], x @ experts.w3[e], clamp) @ experts.w2[e])
         start += n
     ref = torch.cat(ref)
@@ -147,8 +158,9 @@ def test_balance_losses_match_their_definitions():
         sl = slice(b * S, (b + 1) * S)
         c = torch.bincount(idx_TK[sl].reshape(-1), minlength=E).float()
         per_seq.append((c * E / (K * S) * scores_TE[sl].mean(0)).sum())
-    torch.testing.assert_close(sequence_balance_loss(scores_TE, idx_TK, B, None),
-                               torch.stack(per_seq).mean())
+    torch.testing.assert_close(
+        sequence_balance_loss(scores_TE, idx_TK, B, None), torch.stack(per_seq).mean()
+    )
     # Perfect balance with uniform scores gives 1 for both.
     uniform = torch.full((B * S, E), 1.0 / E)
     rr = torch.arange(B * S * K).view(B * S, K) % E

@@ -64,8 +64,7 @@ class MeshConfig:
     ep: int = 1
 
     def dims(self) -> MeshDims:
-        return MeshDims(world=self.nnodes * self.nproc_per_node, pp=self.pp, cp=self.cp,
-                        ep=self.ep)
+        return MeshDims(world=self.nnodes * self.nproc_per_node, pp=self.pp, cp=self.cp, ep=self.ep)
 
 
 @dataclass
@@ -133,12 +132,18 @@ class Config:
         """The runner's mesh checks (same messages), plus what only the trainer knows."""
         dims = self.mesh_dims
         t = self.training
-        dims.validate(sequence_length=t.sequence_length, global_batch=t.global_batch,
-                      micro_batch=t.micro_batch, num_experts=self.model.num_experts)
+        dims.validate(
+            sequence_length=t.sequence_length,
+            global_batch=t.global_batch,
+            micro_batch=t.micro_batch,
+            num_experts=self.model.num_experts,
+        )
         m = self.model
         if m.num_heads % m.num_kv_heads:
-            raise ConfigError(f"model.num_heads={m.num_heads} is not a multiple of "
-                              f"model.num_kv_heads={m.num_kv_heads}")
+            raise ConfigError(
+                f"model.num_heads={m.num_heads} is not a multiple of "
+                f"model.num_kv_heads={m.num_kv_heads}"
+            )
         if not 0 < m.top_k <= m.num_experts:
             raise ConfigError(f"model.top_k={m.top_k} must be in 1..model.num_experts")
         if m.dense_layers > m.num_layers:
@@ -148,8 +153,10 @@ class Config:
         if self.dtype.name not in ("fp32", "bf16", "fp8"):
             raise ConfigError(f"dtype.name={self.dtype.name!r}: expected fp32, bf16 or fp8")
         if self.trainer.expert_backend not in ("auto", "grouped_mm", "loop"):
-            raise ConfigError(f"trainer.expert_backend={self.trainer.expert_backend!r}: "
-                              "expected auto, grouped_mm or loop")
+            raise ConfigError(
+                f"trainer.expert_backend={self.trainer.expert_backend!r}: "
+                "expected auto, grouped_mm or loop"
+            )
         return dims
 
 
@@ -157,9 +164,13 @@ def _build(cls, data: dict | None, section: str):
     data = dict(data or {})
     names = {f.name for f in dataclasses.fields(cls)}
     known = {k: v for k, v in data.items() if k in names}
-    missing = [f.name for f in dataclasses.fields(cls)
-               if f.name not in known and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING]
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in known
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise ConfigError(f"config is missing {', '.join(f'{section}.{k}' for k in missing)}")
     return cls(**known)

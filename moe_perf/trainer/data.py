@@ -42,8 +42,10 @@ class CorpusTokens:
     def __init__(self, directory: str | Path, vocab_size: int):
         meta = read_meta(directory)
         if meta["vocab_size"] > vocab_size:
-            raise ValueError(f"corpus {directory} has vocab_size {meta['vocab_size']} > "
-                             f"model.vocab_size {vocab_size}: wrong tokenizer for this model")
+            raise ValueError(
+                f"corpus {directory} has vocab_size {meta['vocab_size']} > "
+                f"model.vocab_size {vocab_size}: wrong tokenizer for this model"
+            )
         self.tokens = np.memmap(Path(directory) / TOKENS_FILE, dtype=np.uint32, mode="r")
 
     def global_batch(self, step: int, batch: int, seq: int) -> torch.Tensor:
@@ -52,7 +54,7 @@ class CorpusTokens:
             raise ValueError(f"corpus has {n} tokens, fewer than sequence_length+1 = {seq + 1}")
         span = n - seq  # number of valid window starts
         rows = [(((step * batch + r) * seq) % span) for r in range(batch)]
-        out = np.stack([self.tokens[s:s + seq + 1] for s in rows]).astype(np.int64)
+        out = np.stack([self.tokens[s : s + seq + 1] for s in rows]).astype(np.int64)
         return torch.from_numpy(out)
 
 
@@ -63,15 +65,16 @@ def make_source(data_cfg, model_cfg, seed: int):
     return CorpusTokens(d, model_cfg.vocab_size)
 
 
-def local_microbatches(source, step: int, *, global_batch: int, micro_batch: int, seq: int,
-                       dp: int, dp_rank: int):
+def local_microbatches(
+    source, step: int, *, global_batch: int, micro_batch: int, seq: int, dp: int, dp_rank: int
+):
     """[(inputs_BS, labels_BS)] of this data-parallel rank for one step (m-major order)."""
     rows = source.global_batch(step, global_batch, seq)
     n_micro = global_batch // (dp * micro_batch)
     out = []
     for m in range(n_micro):
         start = (m * dp + dp_rank) * micro_batch
-        chunk = rows[start:start + micro_batch]
+        chunk = rows[start : start + micro_batch]
         out.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()))
     return out
 
@@ -91,19 +94,26 @@ def _documents(path: Path):
         yield path.read_text(encoding="utf-8")
 
 
-def build_corpus(tokenizer_file: str | Path, texts: list[str | Path], out: str | Path,
-                 eos_token: str | None = None, batch_docs: int = 256) -> dict:
+def build_corpus(
+    tokenizer_file: str | Path,
+    texts: list[str | Path],
+    out: str | Path,
+    eos_token: str | None = None,
+    batch_docs: int = 256,
+) -> dict:
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise SystemExit("the corpus build needs the `tokenizers` package: "
-                         "pip install 'moe_perf[corpus]'") from e
+        raise SystemExit(
+            "the corpus build needs the `tokenizers` package: pip install 'moe_perf[corpus]'"
+        ) from e
     tok = Tokenizer.from_file(str(tokenizer_file))
     names = [eos_token] if eos_token else list(EOS_CANDIDATES)
     eos_id = next((tok.token_to_id(t) for t in names if tok.token_to_id(t) is not None), None)
     if eos_id is None:
-        raise SystemExit(f"no end-of-text token among {names} in {tokenizer_file}: "
-                         "pass --eos-token")
+        raise SystemExit(
+            f"no end-of-text token among {names} in {tokenizer_file}: pass --eos-token"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     num_tokens = 0
@@ -112,15 +122,21 @@ def build_corpus(tokenizer_file: str | Path, texts: list[str | Path], out: str |
         for path in map(Path, texts):
             docs = list(_documents(path))
             for i in range(0, len(docs), batch_docs):
-                for enc in tok.encode_batch(docs[i:i + batch_docs], add_special_tokens=False):
+                for enc in tok.encode_batch(docs[i : i + batch_docs], add_special_tokens=False):
                     ids = np.asarray(enc.ids + [eos_id], dtype=np.uint32)
                     f.write(ids.tobytes())
                     num_tokens += len(ids)
     tmp.replace(out / TOKENS_FILE)
-    meta = {"format": FORMAT, "dtype": "uint32", "num_tokens": num_tokens,
-            "vocab_size": tok.get_vocab_size(), "eos_id": eos_id, "tokenizer": out.name,
-            "tokenizer_file": str(Path(tokenizer_file).resolve()),
-            "sources": [str(Path(t).resolve()) for t in texts]}
+    meta = {
+        "format": FORMAT,
+        "dtype": "uint32",
+        "num_tokens": num_tokens,
+        "vocab_size": tok.get_vocab_size(),
+        "eos_id": eos_id,
+        "tokenizer": out.name,
+        "tokenizer_file": str(Path(tokenizer_file).resolve()),
+        "sources": [str(Path(t).resolve()) for t in texts],
+    }
     (out / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
     return meta
 
@@ -130,10 +146,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="tokenize local text files into a corpus directory")
     b.add_argument("--tokenizer-file", required=True, help="a local tokenizer.json")
-    b.add_argument("--text", required=True, nargs="+", help=".txt (one document each) or "
-                   ".jsonl (one {'text': ...} per line)")
-    b.add_argument("--out", required=True,
-                   help="<data.root>/<data.corpus>/toktxt/<model.tokenizer>")
+    b.add_argument(
+        "--text",
+        required=True,
+        nargs="+",
+        help=".txt (one document each) or .jsonl (one {'text': ...} per line)",
+    )
+    b.add_argument(
+        "--out", required=True, help="<data.root>/<data.corpus>/toktxt/<model.tokenizer>"
+    )
     b.add_argument("--eos-token", default=None)
     args = p.parse_args(argv)
     meta = build_corpus(args.tokenizer_file, args.text, args.out, args.eos_token)

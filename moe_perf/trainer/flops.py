@@ -35,15 +35,18 @@ PEAK_BF16_FLOPS = (
 
 def matmul_params_per_token(m: ModelConfig) -> int:
     v_dim = m.v_head_dim or m.head_dim
-    attn = m.hidden * (m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + v_dim)) \
+    attn = (
+        m.hidden * (m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + v_dim))
         + m.num_heads * v_dim * m.hidden
+    )
     moe_layers = m.num_layers - m.dense_layers
-    moe = (m.hidden * m.num_experts
-           + 3 * m.hidden * (m.top_k * m.expert_ffn + m.num_shared_experts * m.shared_expert_ffn)
-           + (m.hidden if m.num_shared_experts and m.shared_expert_gate else 0))
+    moe = (
+        m.hidden * m.num_experts
+        + 3 * m.hidden * (m.top_k * m.expert_ffn + m.num_shared_experts * m.shared_expert_ffn)
+        + (m.hidden if m.num_shared_experts and m.shared_expert_gate else 0)
+    )
     dense = 3 * m.hidden * m.dense_ffn
-    return m.num_layers * attn + moe_layers * moe + m.dense_layers * dense \
-        + m.hidden * m.vocab_size
+    return m.num_layers * attn + moe_layers * moe + m.dense_layers * dense + m.hidden * m.vocab_size
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
@@ -65,8 +68,14 @@ def peak_flops(device_name: str | None, dtype: str) -> float | None:
     return None
 
 
-def tflops_and_mfu(m: ModelConfig, seq_len: int, tokens_per_s: float, world: int,
-                   device_name: str | None, dtype: str) -> tuple[float, float | None]:
+def tflops_and_mfu(
+    m: ModelConfig,
+    seq_len: int,
+    tokens_per_s: float,
+    world: int,
+    device_name: str | None,
+    dtype: str,
+) -> tuple[float, float | None]:
     per_gpu = flops_per_token(m, seq_len) * tokens_per_s / world
     peak = peak_flops(device_name, dtype)
     return per_gpu / 1e12, (per_gpu / peak if peak else None)

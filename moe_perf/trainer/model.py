@@ -43,7 +43,8 @@ def rotary_dims(head_dim: int, fraction: float) -> int:
 def rope_cos_sin(positions_BS: torch.Tensor, rot_dims: int, theta: float):
     """cos, sin [B, 1, S, R/2] in fp32 for the given absolute positions (CP passes zig-zag)."""
     inv_freq = 1.0 / theta ** (
-        torch.arange(0, rot_dims, 2, device=positions_BS.device, dtype=torch.float32) / rot_dims)
+        torch.arange(0, rot_dims, 2, device=positions_BS.device, dtype=torch.float32) / rot_dims
+    )
     angles_BSR = positions_BS.float().unsqueeze(-1) * inv_freq
     return angles_BSR.cos().unsqueeze(1), angles_BSR.sin().unsqueeze(1)
 
@@ -59,8 +60,9 @@ def apply_rope(x_BHSd: torch.Tensor, cos, sin) -> torch.Tensor:
 
 def causal_attention(q_BHSd, k_BGSd, v_BGSv) -> torch.Tensor:
     """Causal GQA attention; SDPA picks flash/cuDNN kernels on GPU."""
-    return F.scaled_dot_product_attention(q_BHSd, k_BGSd, v_BGSv, is_causal=True,
-                                          enable_gqa=q_BHSd.shape[1] != k_BGSd.shape[1])
+    return F.scaled_dot_product_attention(
+        q_BHSd, k_BGSd, v_BGSv, is_causal=True, enable_gqa=q_BHSd.shape[1] != k_BGSd.shape[1]
+    )
 
 
 class Attention(nn.Module):
@@ -110,12 +112,22 @@ class Block(nn.Module):
         self.moe_enabled = layer_id >= m.dense_layers
         if self.moe_enabled:
             self.ffn = MoE(
-                m.hidden, m.num_experts, m.top_k, m.expert_ffn, router=m.router,
-                norm_topk_prob=m.norm_topk_prob, router_bias=m.router_bias,
-                num_shared_experts=m.num_shared_experts, shared_expert_ffn=m.shared_expert_ffn,
-                shared_expert_gate=m.shared_expert_gate, swiglu_clamp=m.swiglu_clamp,
-                load_balance=m.load_balance, load_balance_coeff=m.load_balance_coeff,
-                force_balance=force_balance, balance_ep=balance_ep)
+                m.hidden,
+                m.num_experts,
+                m.top_k,
+                m.expert_ffn,
+                router=m.router,
+                norm_topk_prob=m.norm_topk_prob,
+                router_bias=m.router_bias,
+                num_shared_experts=m.num_shared_experts,
+                shared_expert_ffn=m.shared_expert_ffn,
+                shared_expert_gate=m.shared_expert_gate,
+                swiglu_clamp=m.swiglu_clamp,
+                load_balance=m.load_balance,
+                load_balance_coeff=m.load_balance_coeff,
+                force_balance=force_balance,
+                balance_ep=balance_ep,
+            )
         else:
             self.ffn = FeedForward(m.hidden, m.dense_ffn, m.swiglu_clamp)
 
@@ -142,7 +154,8 @@ class Transformer(nn.Module):
         self.config = m
         self.tok_embeddings = nn.Embedding(m.vocab_size, m.hidden)
         self.layers = nn.ModuleDict(
-            {str(i): Block(m, i, force_balance, balance_ep) for i in range(m.num_layers)})
+            {str(i): Block(m, i, force_balance, balance_ep) for i in range(m.num_layers)}
+        )
         self.norm = RMSNorm(m.hidden, m.norm_eps)
         self.output = nn.Linear(m.hidden, m.vocab_size, bias=False)
 
@@ -158,7 +171,7 @@ class Transformer(nn.Module):
         if self.norm is not None:
             self.norm.init_weights()
         if self.output is not None:
-            nn.init.trunc_normal_(self.output.weight, std=self.config.hidden ** -0.5)
+            nn.init.trunc_normal_(self.output.weight, std=self.config.hidden**-0.5)
 
     def forward(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None = None):
         h_BSD = self.tok_embeddings(tokens_BS) if self.tok_embeddings is not None else tokens_BS
@@ -172,8 +185,15 @@ class Transformer(nn.Module):
         return self.output(h_BSD) if self.output is not None else h_BSD
 
 
-def build_model(m: ModelConfig, *, seed: int, force_balance: bool, balance_ep: int = 1,
-                device: torch.device | str = "cpu", init_std: float = 0.02) -> Transformer:
+def build_model(
+    m: ModelConfig,
+    *,
+    seed: int,
+    force_balance: bool,
+    balance_ep: int = 1,
+    device: torch.device | str = "cpu",
+    init_std: float = 0.02,
+) -> Transformer:
     """The full model, initialised from `seed` on `device`: identical on every rank."""
     with torch.device(device):
         model = Transformer(m, force_balance=force_balance, balance_ep=balance_ep)

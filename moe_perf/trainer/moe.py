@@ -20,7 +20,12 @@ from torch import nn
 
 
 def forced_expert_ids(
-    global_token_offset: int | torch.Tensor, num_tokens: int, top_k: int, num_experts: int, ep: int, device=None
+    global_token_offset: int | torch.Tensor,
+    num_tokens: int,
+    top_k: int,
+    num_experts: int,
+    ep: int,
+    device=None,
 ) -> torch.Tensor:
     """Round-robin expert ids over the GLOBAL slot index s = g*K + k, g = offset + i.
 
@@ -49,8 +54,9 @@ class Router(nn.Module):
     gating weights at those ids (renormalised over the K when norm_topk_prob).
     """
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, kind: str, norm_topk_prob: bool,
-                 bias: bool):
+    def __init__(
+        self, dim: int, num_experts: int, top_k: int, kind: str, norm_topk_prob: bool, bias: bool
+    ):
         super().__init__()
         if kind not in ("softmax", "sigmoid"):
             raise ValueError(f"model.router={kind!r}: expected softmax or sigmoid")
@@ -91,9 +97,9 @@ class LocalDispatcher:
         idx_N = topk_idx_TK.reshape(-1)
         order_N = torch.argsort(idx_N, stable=True)
         # scatter_add rather than bincount: a fixed output size, which torch.compile can trace.
-        tokens_per_expert_L = torch.zeros(self.num_experts, dtype=torch.long,
-                                          device=idx_N.device).scatter_add_(
-            0, idx_N, torch.ones_like(idx_N))
+        tokens_per_expert_L = torch.zeros(
+            self.num_experts, dtype=torch.long, device=idx_N.device
+        ).scatter_add_(0, idx_N, torch.ones_like(idx_N))
         x_ND = x_TD.index_select(0, order_N // K)
         return x_ND, tokens_per_expert_L, (order_N, topk_idx_TK.shape)
 
@@ -157,12 +163,16 @@ class GroupedExperts(nn.Module):
             dt = torch.get_autocast_dtype(x_ND.device.type)
             x_ND, w1, w2, w3 = x_ND.to(dt), w1.to(dt), w2.to(dt), w3.to(dt)
         use_grouped = self.backend == "grouped_mm" or (
-            self.backend == "auto" and _grouped_mm_ok(x_ND, w1, w2, w3))
+            self.backend == "auto" and _grouped_mm_ok(x_ND, w1, w2, w3)
+        )
         if use_grouped:
             # Rows past offsets[-1] come back uninitialised; there are none here (N = sum).
             offsets_L = torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32)
-            h_NF = swiglu(torch._grouped_mm(x_ND, w1, offs=offsets_L),
-                          torch._grouped_mm(x_ND, w3, offs=offsets_L), self.swiglu_clamp)
+            h_NF = swiglu(
+                torch._grouped_mm(x_ND, w1, offs=offsets_L),
+                torch._grouped_mm(x_ND, w3, offs=offsets_L),
+                self.swiglu_clamp,
+            )
             return torch._grouped_mm(h_NF, w2, offs=offsets_L)
         return self._loop(x_ND, tokens_per_expert_L, w1, w2, w3)
 
@@ -170,7 +180,7 @@ class GroupedExperts(nn.Module):
         """Per-expert matmuls on slices (a host sync for the counts)."""
         outs, start = [], 0
         for e, n in enumerate(tokens_per_expert_L.tolist()):
-            x = x_ND[start:start + n]
+            x = x_ND[start : start + n]
             outs.append(swiglu(x @ w1[e], x @ w3[e], self.swiglu_clamp) @ w2[e])
             start += n
         return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
@@ -230,9 +240,11 @@ def sequence_balance_loss(scores_TE, topk_idx_TK, batch: int, group) -> torch.Te
     E = scores_TE.shape[1]
     S = T // batch
     counts_BE = torch.zeros(batch, E, device=scores_TE.device, dtype=scores_TE.dtype)
-    counts_BE.scatter_add_(1, topk_idx_TK.reshape(batch, S * K),
-                           torch.ones(batch, S * K, device=scores_TE.device,
-                                      dtype=scores_TE.dtype))
+    counts_BE.scatter_add_(
+        1,
+        topk_idx_TK.reshape(batch, S * K),
+        torch.ones(batch, S * K, device=scores_TE.device, dtype=scores_TE.dtype),
+    )
     seq_len = S
     if group is not None:
         dist.all_reduce(counts_BE, group=group)
@@ -283,12 +295,25 @@ class MoE(nn.Module):
       last_aux_loss        detached balance loss of the last forward (for logging).
     """
 
-    def __init__(self, dim: int, num_experts: int, top_k: int, expert_ffn: int, *,
-                 router: str = "softmax", norm_topk_prob: bool = True, router_bias: bool = False,
-                 num_shared_experts: int = 0, shared_expert_ffn: int = 0,
-                 shared_expert_gate: bool = False, swiglu_clamp: float = 0.0,
-                 load_balance: str = "global-batch", load_balance_coeff: float = 0.0,
-                 force_balance: bool = False, balance_ep: int = 1):
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        expert_ffn: int,
+        *,
+        router: str = "softmax",
+        norm_topk_prob: bool = True,
+        router_bias: bool = False,
+        num_shared_experts: int = 0,
+        shared_expert_ffn: int = 0,
+        shared_expert_gate: bool = False,
+        swiglu_clamp: float = 0.0,
+        load_balance: str = "global-batch",
+        load_balance_coeff: float = 0.0,
+        force_balance: bool = False,
+        balance_ep: int = 1,
+    ):
         super().__init__()
         if load_balance not in ("global-batch", "sequence"):
             raise ValueError(f"model.load_balance={load_balance!r}: global-batch or sequence")
@@ -298,8 +323,9 @@ class MoE(nn.Module):
         self.dispatcher = LocalDispatcher(num_experts)
         shared_ffn = num_shared_experts * shared_expert_ffn
         self.shared = FeedForward(dim, shared_ffn, swiglu_clamp) if shared_ffn else None
-        self.shared_gate = nn.Linear(dim, 1, bias=False) if shared_ffn and shared_expert_gate \
-            else None
+        self.shared_gate = (
+            nn.Linear(dim, 1, bias=False) if shared_ffn and shared_expert_gate else None
+        )
         self.load_balance, self.load_balance_coeff = load_balance, load_balance_coeff
         self.force_balance, self.balance_ep = force_balance, balance_ep
         if force_balance and num_experts % balance_ep:
@@ -335,8 +361,14 @@ class MoE(nn.Module):
         scores_TE, real_idx_TK, _ = self.router(x_TD)
         idx_TK = real_idx_TK
         if self.force_balance:
-            idx_TK = forced_expert_ids(self.token_offset, x_TD.shape[0], self.top_k,
-                                       self.num_experts, self.balance_ep, x_TD.device)
+            idx_TK = forced_expert_ids(
+                self.token_offset,
+                x_TD.shape[0],
+                self.top_k,
+                self.num_experts,
+                self.balance_ep,
+                x_TD.device,
+            )
         return scores_TE, real_idx_TK, idx_TK, self.router.gating(scores_TE, idx_TK)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:

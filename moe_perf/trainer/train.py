@@ -60,7 +60,8 @@ def init_distributed(device: torch.device, expected_world: int) -> None:
     if world != expected_world:
         raise TrainerError(
             f"launched with {world} processes but mesh.nnodes * mesh.nproc_per_node = "
-            f"{expected_world}; change mesh.nproc_per_node or the launch")
+            f"{expected_world}; change mesh.nproc_per_node or the launch"
+        )
     if "RANK" not in os.environ:
         return
     if device.type == "cuda":
@@ -82,16 +83,23 @@ def parallel_api():
 def apply_fp8(model: torch.nn.Module, device: torch.device) -> None:
     """torchao float8 training for the Linear layers (router and head stay in bf16)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise TrainerError("dtype=fp8 needs a GPU with fp8 tensor cores (compute capability "
-                           f">= 8.9); this run is on {device}: use dtype=bf16")
+        raise TrainerError(
+            "dtype=fp8 needs a GPU with fp8 tensor cores (compute capability "
+            f">= 8.9); this run is on {device}: use dtype=bf16"
+        )
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError as e:
         raise TrainerError("dtype=fp8 needs torchao (pip install torchao); use dtype=bf16") from e
 
     def eligible(mod, fqn: str) -> bool:
-        return (isinstance(mod, torch.nn.Linear) and "router" not in fqn and fqn != "output"
-                and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+        return (
+            isinstance(mod, torch.nn.Linear)
+            and "router" not in fqn
+            and fqn != "output"
+            and mod.in_features % 16 == 0
+            and mod.out_features % 16 == 0
+        )
 
     convert_to_float8_training(model, module_filter_fn=eligible)
 
@@ -99,11 +107,17 @@ def apply_fp8(model: torch.nn.Module, device: torch.device) -> None:
 def environment(device: torch.device, world: int) -> dict:
     cuda = device.type == "cuda"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
-    devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] \
-        if cuda else []
-    return {"torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
-            "nccl": nccl, "devices": devices, "world_size": world,
-            "python": platform.python_version()}
+    devices = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    )
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "nccl": nccl,
+        "devices": devices,
+        "world_size": world,
+        "python": platform.python_version(),
+    }
 
 
 def sync(device: torch.device) -> None:
@@ -171,8 +185,14 @@ def run(cfg: Config, out=sys.stdout) -> None:
     if rank == 0:
         print(contract.format_env(environment(device, dims.world)), file=out, flush=True)
 
-    model = build_model(cfg.model, seed=t.seed, force_balance=t.benchmark, balance_ep=dims.ep,
-                        device=device, init_std=cfg.trainer.init_std)
+    model = build_model(
+        cfg.model,
+        seed=t.seed,
+        force_balance=t.benchmark,
+        balance_ep=dims.ep,
+        device=device,
+        init_std=cfg.trainer.init_std,
+    )
     for layer in moe.moe_layers(model):
         layer.experts.backend = cfg.trainer.expert_backend
     if cfg.dtype.fp8 or cfg.dtype.name == "fp8":
@@ -185,10 +205,14 @@ def run(cfg: Config, out=sys.stdout) -> None:
     for part in parts:
         part.train()
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.trainer.weight_decay)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) \
-        if cfg.dtype.name in ("bf16", "fp8") else nullcontext()
+    optimizer = torch.optim.AdamW(
+        params, lr=t.lr, betas=(0.9, 0.95), weight_decay=cfg.trainer.weight_decay
+    )
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16)
+        if cfg.dtype.name in ("bf16", "fp8")
+        else nullcontext()
+    )
 
     S, mb = t.sequence_length, t.micro_batch
     tokens_per_micro = mb * S // dims.cp
@@ -202,17 +226,29 @@ def run(cfg: Config, out=sys.stdout) -> None:
     for step in range(1, t.max_steps + 1):
         microbatches = []
         for inputs_BS, labels_BS in local_microbatches(
-                source, step, global_batch=t.global_batch, micro_batch=mb, seq=S, dp=dims.dp,
-                dp_rank=dp_rank):
+            source,
+            step,
+            global_batch=t.global_batch,
+            micro_batch=mb,
+            seq=S,
+            dp=dims.dp,
+            dp_rank=dp_rank,
+        ):
             positions_BS = None
             if dims.cp > 1:
                 from moe_perf.trainer import cp
 
                 inputs_BS, labels_BS, positions_BS = cp.shard_batch(
-                    inputs_BS, labels_BS, dims.cp, cp_rank)
+                    inputs_BS, labels_BS, dims.cp, cp_rank
+                )
                 positions_BS = positions_BS.to(device, non_blocking=True)
-            microbatches.append((inputs_BS.to(device, non_blocking=True),
-                                 labels_BS.to(device, non_blocking=True), positions_BS))
+            microbatches.append(
+                (
+                    inputs_BS.to(device, non_blocking=True),
+                    labels_BS.to(device, non_blocking=True),
+                    positions_BS,
+                )
+            )
 
         sync(device)
         t0 = time.perf_counter()
@@ -240,13 +276,25 @@ def run(cfg: Config, out=sys.stdout) -> None:
         loss_value = mean_over(loss, dp_cp_group)
         peak = peak_memory_gib(device)
         tokens_per_s = t.global_batch * S / step_time
-        tflops, mfu = flops.tflops_and_mfu(cfg.model, S, tokens_per_s, dims.world, device_name,
-                                           cfg.dtype.name)
+        tflops, mfu = flops.tflops_and_mfu(
+            cfg.model, S, tokens_per_s, dims.world, device_name, cfg.dtype.name
+        )
         if rank == 0:
-            print(contract.format_step(
-                step, t.max_steps, step_time_s=step_time, tokens_per_s=tokens_per_s,
-                peak_mem_gib=peak, loss=loss_value, tflops=tflops, mfu=mfu, aux_loss=aux_value),
-                file=out, flush=True)
+            print(
+                contract.format_step(
+                    step,
+                    t.max_steps,
+                    step_time_s=step_time,
+                    tokens_per_s=tokens_per_s,
+                    peak_mem_gib=peak,
+                    loss=loss_value,
+                    tflops=tflops,
+                    mfu=mfu,
+                    aux_loss=aux_value,
+                ),
+                file=out,
+                flush=True,
+            )
 
     if dist.is_initialized():
         dist.barrier()
@@ -256,8 +304,9 @@ def run(cfg: Config, out=sys.stdout) -> None:
 def main(argv: list[str]) -> int:
     """Exit status: 0 done, 2 a config/mesh/corpus/environment problem, 1 anything else."""
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m moe_perf.trainer CONFIG.yaml [section.key=value ...]",
-              file=sys.stderr)
+        print(
+            "usage: python -m moe_perf.trainer CONFIG.yaml [section.key=value ...]", file=sys.stderr
+        )
         return 0 if argv else 2
     try:
         run(load_config(argv[0], argv[1:]))
