@@ -16,8 +16,6 @@ D head dim, E value head dim.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -126,7 +124,6 @@ def gather_sequence(x_BHTD: torch.Tensor, group) -> torch.Tensor:
 # Attention
 
 
-@functools.lru_cache(maxsize=16)
 def _key_positions(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
     """Global positions of the gathered keys, in gather (rank-major, zig-zag) order."""
     return torch.cat([zigzag_positions(seq_len, cp, r, device=device) for r in range(cp)])

@@ -41,7 +41,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from moe_perf.trainer.config import ModelConfig
+from moe_perf.trainer.config import ConfigError, ModelConfig
 from moe_perf.trainer.model import Transformer, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
 
@@ -87,7 +87,7 @@ def partition(costs: list[float], num_stages: int, *, first_extra=0.0, last_extr
     """
     n = len(costs)
     if num_stages > n:
-        raise ValueError(
+        raise ConfigError(
             f"{num_stages} pipeline stages need at least as many layers, the model has {n}: "
             "change mesh.pp or trainer.pp_virtual_stages"
         )
@@ -227,11 +227,11 @@ class Pipeline:
 
 def check_schedule(name: str, virtual_stages: int) -> None:
     if name not in SCHEDULES:
-        raise ValueError(f"trainer.pp_schedule={name!r}: expected one of {', '.join(SCHEDULES)}")
+        raise ConfigError(f"trainer.pp_schedule={name!r}: expected one of {', '.join(SCHEDULES)}")
     if virtual_stages < 1:
-        raise ValueError(f"trainer.pp_virtual_stages={virtual_stages} must be >= 1")
+        raise ConfigError(f"trainer.pp_virtual_stages={virtual_stages} must be >= 1")
     if virtual_stages > 1 and name in SINGLE_STAGE_SCHEDULES:
-        raise ValueError(
+        raise ConfigError(
             f"trainer.pp_virtual_stages={virtual_stages} needs a multi-stage schedule: set "
             "trainer.pp_schedule=Interleaved1F1B (or trainer.pp_virtual_stages=1)"
         )
@@ -257,7 +257,7 @@ def build_pipeline(
     check_schedule(schedule, virtual_stages)
     pp = dist.get_world_size(pp_group)
     if n_microbatches < pp:
-        raise ValueError(
+        raise ConfigError(
             f"{n_microbatches} microbatches (global_batch/dp/micro_batch) < pp={pp}: the "
             "pipeline would idle; change training.micro_batch (or training.global_batch)"
         )
