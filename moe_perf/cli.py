@@ -26,7 +26,10 @@ from omegaconf import DictConfig, OmegaConf
 from moe_perf import gitops, launch, records, validate
 from moe_perf import sweep as sweeps
 from moe_perf.schema import repeat_suffix
+from moe_perf.slurm import register_hydra_launcher
 from moe_perf.validate import PrerequisiteError
+
+register_hydra_launcher()  # hydra/launcher=moe_perf_slurm (issue 5): see moe_perf/slurm.py
 
 SWEEP_DIR = Path("outputs/validate-performance")
 

@@ -20,11 +20,12 @@ next (see docs/slurm.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 
@@ -75,27 +76,30 @@ def check_allocation(nnodes: int, env: Mapping[str, str] | None = None) -> None:
     gets its allocation from its own job, where this check runs again.
     """
     env = os.environ if env is None else env
-    if _submitting_with_submitit(env):
+    if _SUBMITTING:
         return
-    check_nodes(allocation(env), nnodes)
+    alloc = allocation(env)
+    if not env.get("SUBMITIT_EXECUTOR"):
+        # in a moe_perf_slurm job the sweep's first job also checks the later arms, whose jobs
+        # are sized from their own meshes: only this arm's launch checks its node count
+        check_nodes(alloc, nnodes)
     if shutil.which("srun") is None:
         raise SlurmLaunchError("launcher=slurm: `srun` is not on PATH; use launcher=local")
 
 
-def _submitting_with_submitit(env: Mapping[str, str]) -> bool:
-    """True in the Hydra process that submits jobs through a submitit launcher (not in a job).
+# True while hydra/launcher=moe_perf_slurm checks a sweep before submitting it (no allocation yet)
+_SUBMITTING = False
 
-    submitit's sbatch script exports SUBMITIT_EXECUTOR, so a job is told apart from its submitter.
-    """
-    if env.get("SUBMITIT_EXECUTOR"):
-        return False
+
+@contextlib.contextmanager
+def submitting() -> Iterator[None]:
+    """Within it, check_allocation passes: each job brings its own allocation and checks again."""
+    global _SUBMITTING
+    previous, _SUBMITTING = _SUBMITTING, True
     try:
-        from hydra.core.hydra_config import HydraConfig
-
-        target = str(HydraConfig.get().launcher.get("_target_", ""))
-    except (ImportError, ValueError):  # no Hydra, or no Hydra app running
-        return False
-    return "submitit" in target or "slurm_submit" in target
+        yield
+    finally:
+        _SUBMITTING = previous
 
 
 def head_node(nodelist: str) -> str:
@@ -218,3 +222,19 @@ def failure_reason(returncode: int, console_tail: str) -> str | None:
     if match:
         return f"srun step cancelled ({match.group(1) or 'scancel'}; exit {returncode})"
     return None
+
+
+def register_hydra_launcher() -> None:
+    """Make `hydra/launcher=moe_perf_slurm`'s class known to Hydra, however moe_perf is installed.
+
+    Hydra 1.3 finds launchers by walking the `hydra_plugins` namespace on disk, which misses
+    packages of a PEP 660 editable install (`pip install -e .`, setuptools >= 64; Hydra issue
+    2359); it offers `Plugins.register` for this. Nothing happens without the `slurm` extra.
+    """
+    try:
+        from hydra_plugins.moe_perf_launcher.sequential_slurm import SequentialSlurmLauncher
+    except ImportError:  # no hydra-submitit-launcher: hydra/launcher=moe_perf_slurm can't compose
+        return
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance().register(SequentialSlurmLauncher)
