@@ -56,18 +56,20 @@ def say(text: str) -> None:
     print(f"[moe_perf] {text}", file=sys.stderr, flush=True)
 
 
-def check_before_submitting(job_cfgs: Sequence[Any], first_batch: bool) -> None:
+def check_before_submitting(job_cfgs: Sequence[Any], first_batch: bool, sweep_dir: Path) -> None:
     """The runner's prerequisites, checked here so a bad sweep submits nothing (exit 2).
 
     The same checks run again in each job (moe_perf.cli), which also takes the sweep lock and
     resolves the refs to SHAs: that needs the job's process, so it is not done here.
     """
-    from moe_perf import slurm, validate
+    from moe_perf import cli, slurm, validate
 
     problems = []
     for job_cfg in job_cfgs:
         try:
             repo = validate.find_repo(str(job_cfg.repo), Path.cwd())
+            # Hydra has written multirun.yaml already: outputs must not count as a dirty tree
+            cli.ignore_outputs(repo, sweep_dir)
             if first_batch and not problems:
                 validate.check_sweep(repo, {"base": job_cfg.refs.base, "feat": job_cfg.refs.feat})
             with slurm.submitting():  # no allocation here yet: each job checks its own
@@ -119,7 +121,9 @@ if SlurmLauncher is not None:
             self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int
         ) -> Sequence[JobReturn]:
             job_cfgs = [self._job_config(overrides) for overrides in job_overrides]
-            check_before_submitting(job_cfgs, first_batch=initial_job_idx == 0)
+            assert self.config is not None
+            sweep_dir = Path.cwd() / str(self.config.hydra.sweep.dir)  # absolute stays absolute
+            check_before_submitting(job_cfgs, initial_job_idx == 0, sweep_dir)
             returns: list[JobReturn] = []
             jobs = zip(job_overrides, job_cfgs, strict=True)
             for offset, (overrides, job_cfg) in enumerate(jobs):

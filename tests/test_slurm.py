@@ -1,0 +1,294 @@
+"""SLURM: `launcher=slurm` (arms as srun steps in an allocation) and
+`hydra/launcher=moe_perf_slurm` (one job per arm), against a real single-node SLURM.
+
+The `slurm` tests need slurmctld/slurmd/munge running (`.ci/setup_slurm.sh`); run as root they
+start it themselves, and they are skipped, with the reason, only when it cannot be brought up.
+The A/B sweeps use the runner's small-trainer repositories (conftest.py) whose feature branch
+is slower per step, and are checked against the same sweep run locally: same layout, same
+records, same comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_RUN, git, make_ab_repo, moe_perf, sweep_dir, trainer_variant
+
+from moe_perf import slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+SETUP = ROOT / ".ci" / "setup_slurm.sh"
+MESH = "ep2"  # two ranks per node: torchrun really spawns a group under srun
+TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
+AB = [*SMALL_RUN, f"mesh={MESH}", "-m", "arm=base,feat"]
+USABLE_STATES = ("idle", "mixed", "allocated", "completing")
+
+
+# ---- the cluster -----------------------------------------------------------------------------
+
+
+def _run(argv: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False,
+                          **kwargs)  # fmt: skip
+
+
+def slurm_problem() -> str | None:
+    """Why SLURM cannot run a job here, or None when `srun` works."""
+    for tool in ("sinfo", "srun", "salloc", "sbatch", "scontrol"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed"
+    try:
+        info = _run(["sinfo", "--noheader", "--format=%T"], timeout=20)
+        if info.returncode != 0:
+            return f"sinfo failed: {(info.stderr or info.stdout).strip()}"
+        states = info.stdout.split()
+        if not any(state.rstrip("*~#") in USABLE_STATES for state in states):
+            return f"no usable node (sinfo states: {states or 'none'})"
+        probe = _run(["srun", "--nodes=1", "--immediate=30", "true"], timeout=60)
+        if probe.returncode != 0:
+            return f"`srun true` failed: {(probe.stderr or probe.stdout).strip()}"
+    except subprocess.TimeoutExpired as err:
+        return f"timed out: {err}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    problem = slurm_problem()
+    if problem and os.geteuid() == 0 and SETUP.exists():
+        try:
+            setup = _run(["bash", str(SETUP)], timeout=300)
+            problem = slurm_problem()
+            if problem:
+                tail = (setup.stderr or setup.stdout).strip().splitlines()[-3:]
+                problem += f"; .ci/setup_slurm.sh exited {setup.returncode}: {' | '.join(tail)}"
+        except subprocess.TimeoutExpired:
+            problem += "; .ci/setup_slurm.sh timed out"
+    if problem:
+        pytest.skip(f"SLURM unavailable: {problem}")
+
+
+def without_slurm_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+
+
+# ---- the sweeps ------------------------------------------------------------------------------
+
+
+def records(repo: Path) -> dict[str, dict]:
+    arms = sweep_dir(repo) / "tiny"
+    return {arm: json.loads((arms / f"{TAG}-{arm}" / "metrics.json").read_text())
+            for arm in ("base", "feat")}  # fmt: skip
+
+
+def comparison(repo: Path) -> dict:
+    return json.loads((sweep_dir(repo) / "comparison.json").read_text())
+
+
+def layout(repo: Path) -> list[str]:
+    """Files of the arm directories; torchrun's per-agent directory names are run ids."""
+    arms = sweep_dir(repo) / "tiny"
+    paths = set()
+    for path in arms.rglob("*"):
+        if path.is_file():
+            parts = path.relative_to(arms).parts
+            if len(parts) > 2 and parts[1] == "torchrun":
+                parts = (*parts[:2], "<run>", *parts[3:])
+            paths.add("/".join(parts))
+    return sorted(paths)
+
+
+def portable_config(record: dict, repo: Path) -> dict:
+    """The arm's config without its launcher, the repository's path replaced by `<repo>`."""
+    config = {k: v for k, v in record["config"].items() if k != "launcher"}
+    return json.loads(json.dumps(config).replace(str(repo), "<repo>"))
+
+
+def assert_ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def assert_same_as_local(repo: Path, local: Path, launcher: str) -> None:
+    """The records, layout and comparison of a SLURM sweep are those of the local sweep."""
+    assert layout(repo) == layout(local)
+    got, want = records(repo), records(local)
+    for arm in ("base", "feat"):
+        rec, ref = got[arm], want[arm]
+        assert set(rec) == set(ref)
+        assert rec["status"] == "ok", rec["failure"]
+        for key in ("schema", "model", "tag", "arm", "ref", "exit_code", "failure"):
+            assert rec[key] == ref[key], key
+        assert rec["sha"] == git(repo, "rev-parse", {"base": "main", "feat": "feature"}[arm])
+        assert [s["step"] for s in rec["steps"]] == [s["step"] for s in ref["steps"]]
+        assert rec["environment"]["world_size"] == 2
+        # the configs differ only where the two sweeps do: the launcher and the repository
+        assert portable_config(rec, repo) == portable_config(ref, local)
+        assert rec["config"]["launcher"]["name"] == launcher
+    assert got["base"]["sweep_id"] == got["feat"]["sweep_id"]
+    assert got["base"]["finished"] <= got["feat"]["started"]  # one after the other, base first
+
+    (group,), (local_group,) = comparison(repo)["groups"], comparison(local)["groups"]
+    assert (group["model"], group["tag"], group["status"]) == ("tiny", TAG, "compared")
+    assert set(group["arms"]) == set(local_group["arms"]) == {"base", "feat"}
+    assert group["config_differences"] == []
+    # the feature branch sleeps 50 ms more per step: slower under every launcher
+    for report in (group, local_group):
+        assert report["difference"]["step_time_s"]["words"] == "slower"
+    assert git(repo, "status", "--porcelain") == ""
+    assert len(git(repo, "worktree", "list").splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory) -> Path:
+    """The reference: the same A/B sweep with launcher=local."""
+    repo = make_ab_repo(tmp_path_factory.mktemp("local") / "repo")
+    assert_ok(moe_perf(repo, *AB))
+    return repo
+
+
+def in_allocation(how: str, repo: Path, *args: str, timeout: float = 240):
+    """`python -m moe_perf ARGS` inside a fresh one-node allocation (salloc or sbatch)."""
+    command = [sys.executable, "-m", "moe_perf", *args]
+    if how == "salloc":
+        argv = ["salloc", "--nodes=1", "--time=10", "--job-name=moe_perf-test", *command]
+        return _run(argv, timeout=timeout, cwd=repo)
+    out = repo / "outputs" / "sbatch.out"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = ["sbatch", "--wait", "--nodes=1", "--time=10", "--job-name=moe_perf-test",
+            f"--output={out}", f"--chdir={repo}", f"--wrap={shlex.join(command)}"]  # fmt: skip
+    result = _run(argv, timeout=timeout, cwd=repo)
+    # the sweep's own output went to the job's output file: hand it back as stdout
+    stdout = out.read_text() if out.exists() else ""
+    return subprocess.CompletedProcess(argv, result.returncode, stdout, result.stderr)
+
+
+# ---- without a cluster -----------------------------------------------------------------------
+
+
+def test_srun_wraps_torchrun_with_rendezvous_on_the_first_node(monkeypatch):
+    monkeypatch.setattr(slurm, "head_node", lambda nodelist: "node01")
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_NUM_NODES": "2"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                "--nproc-per-node", "8", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", "localhost:12345", "--log-dir", "/arm/torchrun",
+                "-m", "moe_perf.trainer", "/arm/config.yaml"]  # fmt: skip
+    launcher = {"name": "slurm", "time_limit_min": 30, "extra_args": ["--exclusive"]}
+    argv = slurm.srun_argv(torchrun, nnodes=2, arm_label="tag-base", launcher=launcher, env=env)
+    cut = argv.index(sys.executable)
+    srun, inner = argv[:cut], argv[cut:]
+    assert srun[0] == "srun"
+    for flag in ("--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--wait=0",
+                 "--kill-on-bad-exit=1", "--time=30", "--exclusive"):  # fmt: skip
+        assert flag in srun
+    assert "--overlap" not in srun
+    assert inner[inner.index("--rdzv-endpoint") + 1] == f"node01:{29500 + 4242}"
+    assert inner[inner.index("--rdzv-id") + 1] == "4242-tag-base"
+    assert inner[inner.index("--nnodes") + 1] == "2"
+    assert inner[-3:] == ["-m", "moe_perf.trainer", "/arm/config.yaml"]
+    # from inside a step (srun --pty bash, submitit's srun) the new step must share its CPUs
+    stepped = slurm.srun_argv(torchrun, nnodes=2, arm_label="x", launcher={},
+                              env={**env, "SLURM_STEP_ID": "0"})  # fmt: skip
+    assert "--overlap" in stepped
+
+
+def test_allocation_prerequisites_name_the_fix():
+    with pytest.raises(slurm.SlurmLaunchError, match="launcher=local"):
+        slurm.allocation({})
+    alloc = slurm.allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1",
+                              "SLURM_JOB_NODELIST": "vm"})  # fmt: skip
+    with pytest.raises(slurm.SlurmLaunchError, match=r"mesh.nnodes=2.*salloc -N 2"):
+        slurm.check_nodes(alloc, 2)
+    slurm.check_nodes(alloc, 1)
+
+
+def test_failure_reason_names_a_time_limit():
+    # what slurmstepd printed when a step of this test cluster ran past `srun --time=1`
+    tail = (
+        "slurmstepd-vm: error: *** STEP 4.0 ON vm CANCELLED AT 2026-12-02T18:57:59 "
+        "DUE TO TIME LIMIT ***"
+    )
+    assert "time limit" in slurm.failure_reason(143, tail)
+    assert "cancelled" in slurm.failure_reason(143, tail.replace(" DUE TO TIME LIMIT", ""))
+    assert slurm.failure_reason(1, "Traceback ...") is None
+    assert slurm.failure_reason(0, tail) is None
+
+
+@pytest.mark.slow
+def test_launcher_slurm_outside_an_allocation_launches_nothing(ab_repo):
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_perf", *AB[:-2], "launcher=slurm", *AB[-2:]],
+        cwd=ab_repo, env=without_slurm_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "SLURM_JOB_ID is not set" in result.stderr and "launcher=local" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (sweep_dir(ab_repo) / "tiny").exists()
+
+
+# ---- against the real SLURM ------------------------------------------------------------------
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("how", ["salloc", "sbatch"])
+def test_launcher_slurm_sweep_matches_local(slurm_cluster, local_sweep, tmp_path, how):
+    repo = make_ab_repo(tmp_path / "repo")
+    result = in_allocation(how, repo, *AB[:-2], "launcher=slurm", *AB[-2:])
+    assert_ok(result)
+    assert_same_as_local(repo, local_sweep, "slurm")
+    for arm in ("base", "feat"):
+        console = (sweep_dir(repo) / "tiny" / f"{TAG}-{arm}" / "console.log").read_text()
+        assert console.startswith("# srun --nodes=1 ")  # the arm ran as an srun step
+        assert "--rdzv-endpoint" in console and "[default1]:" in console
+        assert f"[{arm}] step 3/6" in result.stdout  # progress streamed as locally
+    assert "# moe_perf comparison" in result.stdout
+
+
+@pytest.mark.slurm
+def test_launcher_slurm_failed_step_is_a_failed_arm(slurm_cluster, tmp_path):
+    repo = make_ab_repo(tmp_path / "repo", base=trainer_variant(exit_after_step=2))
+    result = in_allocation("salloc", repo, *AB[:-2], "launcher=slurm", *AB[-2:])
+    assert_ok(result)  # a failed arm does not fail the sweep
+    got = records(repo)
+    assert got["base"]["status"] == "failed" and got["base"]["exit_code"] != 0
+    assert "crashing on purpose" in Path(got["base"]["log"]).read_text()
+    assert got["feat"]["status"] == "ok"
+    (group,) = comparison(repo)["groups"]
+    assert group["status"] == "incomplete"
+
+
+@pytest.mark.slurm
+def test_submitit_sweep_matches_local(slurm_cluster, local_sweep, tmp_path):
+    repo = make_ab_repo(tmp_path / "repo")
+    submit = ["launcher=slurm", "hydra/launcher=moe_perf_slurm", "hydra.launcher.partition=debug"]
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_perf", *AB[:-2], *submit, *AB[-2:]],
+        cwd=repo, env=without_slurm_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert_ok(result)
+    assert_same_as_local(repo, local_sweep, "slurm")
+    # one SLURM job per arm, in order; the comparison printed by the submitting process
+    jobs = sorted(int(p.name) for p in (sweep_dir(repo) / ".submitit").iterdir() if p.is_dir())
+    assert len(jobs) == 2
+    base_log = sweep_dir(repo) / ".submitit" / str(jobs[0]) / f"{jobs[0]}_0_log.out"
+    assert "[moe_perf] base: ok" in base_log.read_text()
+    assert "# moe_perf comparison" in result.stdout
+
+
+@pytest.mark.slurm
+def test_submitit_prerequisite_failure_submits_nothing(slurm_cluster, ab_repo):
+    submit = ["launcher=slurm", "hydra/launcher=moe_perf_slurm"]
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_perf", *AB[:-2], *submit, "refs.base=no-such-branch",
+         *AB[-2:]],
+        cwd=ab_repo, env=without_slurm_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "refs.base=no-such-branch" in result.stderr and "nothing was submitted" in result.stderr
+    assert not (sweep_dir(ab_repo) / ".submitit").exists()
