@@ -40,8 +40,14 @@ SMALL_TRAINER = textwrap.dedent(
     from moe_perf.contract import format_env, format_step
 
     EXTRA_SLEEP_S = 0.0
+    EXIT_AFTER_STEP = None  # tests of a failing arm set a step number
 
     cfg = yaml.safe_load(open(sys.argv[1]))
+    # tests of "the user switches branch mid-sweep" move the user's checkout from inside an arm
+    if os.environ.get("TEST_SWITCH_USER_BRANCH_TO") and os.environ.get("RANK", "0") == "0":
+        import subprocess
+        branch = os.environ["TEST_SWITCH_USER_BRANCH_TO"]
+        subprocess.run(["git", "-C", cfg["repo"], "checkout", "-q", branch], check=True)
     steps = cfg["training"]["max_steps"]
     tokens = cfg["training"]["global_batch"] * cfg["training"]["sequence_length"]
     rank = int(os.environ.get("RANK", "0"))
@@ -61,6 +67,10 @@ SMALL_TRAINER = textwrap.dedent(
         if rank == 0:
             print(format_step(step, steps, step_time_s=seconds, tokens_per_s=tokens / seconds,
                               peak_mem_gib=peak_gib, loss=float(x.mean())), flush=True)
+        if step == EXIT_AFTER_STEP:
+            print("crashing on purpose", file=sys.stderr, flush=True)
+            sys.exit(3)
+    print(f"rank {rank} done", flush=True)
     '''
 )
 
@@ -122,12 +132,17 @@ def repo(tmp_path: Path) -> Path:
     return make_repo(tmp_path / "repo")
 
 
-def make_ab_repo(path: Path, slowdown_s: float = 0.05) -> Path:
+def trainer_variant(sleep_s: float = 0.0, exit_after_step: int | None = None) -> str:
+    text = SMALL_TRAINER.replace("EXTRA_SLEEP_S = 0.0", f"EXTRA_SLEEP_S = {sleep_s}")
+    return text.replace("EXIT_AFTER_STEP = None", f"EXIT_AFTER_STEP = {exit_after_step}")
+
+
+def make_ab_repo(path: Path, slowdown_s: float = 0.05, base: str = SMALL_TRAINER,
+                 feat: str | None = None) -> Path:  # fmt: skip
     """`main` with the small trainer; `feature` (checked out) sleeps `slowdown_s` per step."""
-    make_repo(path, {"mytrainer/__main__.py": SMALL_TRAINER, ".gitignore": "__pycache__/\n"})
+    make_repo(path, {"mytrainer/__main__.py": base, ".gitignore": "__pycache__/\n"})
     git(path, "checkout", "-q", "-b", "feature")
-    slower = SMALL_TRAINER.replace("EXTRA_SLEEP_S = 0.0", f"EXTRA_SLEEP_S = {slowdown_s}")
-    commit(path, {"mytrainer/__main__.py": slower}, "feature: slower step")
+    commit(path, {"mytrainer/__main__.py": feat or trainer_variant(slowdown_s)}, "feature")
     return path
 
 
@@ -136,11 +151,14 @@ def ab_repo(tmp_path: Path) -> Path:
     return make_ab_repo(tmp_path / "repo")
 
 
-def moe_perf(cwd: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def moe_perf(
+    cwd: Path, *args: str, timeout: float = 240, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """The real command, `python -m moe_perf ARGS`, run in `cwd`."""
     return subprocess.run(
         [sys.executable, "-m", "moe_perf", *args],
         cwd=cwd,
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -150,3 +168,18 @@ def moe_perf(cwd: Path, *args: str, timeout: float = 240) -> subprocess.Complete
 
 def sweep_dir(repo: Path) -> Path:
     return repo / "outputs" / "validate-performance"
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of live processes that mention `text` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in cmdline:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
