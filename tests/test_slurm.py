@@ -75,6 +75,14 @@ def slurm_cluster() -> None:
         pytest.skip(f"SLURM unavailable: {problem}")
 
 
+def require_submitit_launcher() -> None:
+    """A missing extra is a setup error, not a reason to skip: say how to install it."""
+    try:
+        import hydra_plugins.hydra_submitit_launcher  # noqa: F401
+    except ImportError:
+        pytest.fail("hydra-submitit-launcher is missing: pip install -e '.[slurm]' (.ci/run does)")
+
+
 def without_slurm_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
 
@@ -265,6 +273,7 @@ def test_launcher_slurm_failed_step_is_a_failed_arm(slurm_cluster, tmp_path):
 
 @pytest.mark.slurm
 def test_submitit_sweep_matches_local(slurm_cluster, local_sweep, tmp_path):
+    require_submitit_launcher()
     repo = make_ab_repo(tmp_path / "repo")
     submit = ["launcher=slurm", "hydra/launcher=moe_perf_slurm", "hydra.launcher.partition=debug"]
     result = subprocess.run(
@@ -283,6 +292,7 @@ def test_submitit_sweep_matches_local(slurm_cluster, local_sweep, tmp_path):
 
 @pytest.mark.slurm
 def test_submitit_prerequisite_failure_submits_nothing(slurm_cluster, ab_repo):
+    require_submitit_launcher()
     submit = ["launcher=slurm", "hydra/launcher=moe_perf_slurm"]
     result = subprocess.run(
         [sys.executable, "-m", "moe_perf", *AB[:-2], *submit, "refs.base=no-such-branch",
