@@ -124,9 +124,11 @@ def check_all_jobs(job: Job, repo: Path) -> bool:
 
     False when the sweep's jobs cannot be listed (a sweeper other than the basic one).
     """
+    from hydra.core.global_hydra import GlobalHydra
+
     all_overrides = sweep_job_overrides(job)
-    if all_overrides is None:
-        return False
+    if all_overrides is None or not GlobalHydra.instance().is_initialized():
+        return False  # the job checks itself
     problems = []
     for overrides in all_overrides:
         try:
