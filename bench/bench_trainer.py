@@ -27,6 +27,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from moe_perf import contract  # noqa: E402
 
@@ -45,7 +46,7 @@ def make_config(args) -> dict:
             "sequence_length": args.seq,
             "global_batch": args.global_batch,
             "micro_batch": args.micro_batch,
-            "max_steps": args.steps,
+            "max_steps": args.steps + args.profile,  # profiled steps come last
             "benchmark": True,
             "seed": 1234,
             "lr": 3e-4,
@@ -75,7 +76,19 @@ def main() -> int:
         help="extra config overrides passed to the trainer",
     )
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench"))
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="torch.profiler over the last N steps; kernel summary in OUT/profile/",
+    )
     args = p.parse_args()
+    if args.profile:
+        args.set += [
+            f"trainer.profile_steps={args.profile}",
+            f"trainer.profile_dir={Path(args.out) / 'profile'}",
+        ]
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -118,7 +131,8 @@ def main() -> int:
         print(f"bench: trainer failed (exit {rc}, {len(steps)} steps)", file=sys.stderr)
         return rc or 1
 
-    measured = steps[1:]  # step 1 (allocator warm-up, compile) dropped
+    # step 1 (allocator warm-up, compile) dropped, and profiled steps (tracing overhead)
+    measured = steps[1 : len(steps) - args.profile] or steps[1:]
 
     def med(key):
         vals = [s[key] for s in measured if s.get(key) is not None]
@@ -156,6 +170,15 @@ def main() -> int:
     if environment:
         print(f"  torch {environment.get('torch')}, devices {environment.get('devices')}")
     print(f"  -> {out / 'bench.json'}")
+    trace = out / "profile" / "trace_rank0.json"
+    if args.profile and trace.is_file():
+        import profile_summary
+
+        prof = profile_summary.summarize(trace, args.profile)
+        (out / "profile" / "summary.json").write_text(json.dumps(prof, indent=1) + "\n")
+        md = profile_summary.to_markdown(prof)
+        (out / "profile" / "summary.md").write_text(md + "\n")
+        print("\n" + md)
     return 0
 
 

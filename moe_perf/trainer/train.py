@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -168,7 +169,47 @@ def forward_backward(model, microbatches, *, offsets, autocast) -> torch.Tensor:
     return total / M
 
 
-def run(cfg: Config, out=sys.stdout) -> None:
+class Profiler:
+    """torch.profiler over the last `trainer.profile_steps` steps; writes, per rank,
+    `kernels_rank<r>.txt` (ops by device time) and `trace_rank<r>.json` (Chrome trace).
+
+    The profiled steps are still timed and printed; tracing costs a little host time per op,
+    so read their step times with that in mind (bench/profile_summary.py reads the trace).
+    """
+
+    def __init__(self, tcfg, max_steps: int, device: torch.device, rank: int, out_dir):
+        n = min(tcfg.profile_steps, max_steps)
+        self.first = max_steps - n + 1 if n > 0 else None
+        self.last = max_steps
+        self.device, self.rank = device, rank
+        self.out_dir = tcfg.profile_dir or out_dir
+        self.prof = None
+
+    def before_step(self, step: int) -> None:
+        if step != self.first:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        self.prof = profile(activities=activities)
+        self.prof.start()
+
+    def after_step(self, step: int) -> None:
+        if self.prof is None or step != self.last:
+            return
+        self.prof.stop()
+        out = Path(self.out_dir or "profile")
+        out.mkdir(parents=True, exist_ok=True)
+        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        table = self.prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
+        (out / f"kernels_rank{self.rank}.txt").write_text(table + "\n")
+        self.prof.export_chrome_trace(str(out / f"trace_rank{self.rank}.json"))
+        self.prof = None
+
+
+def run(cfg: Config, out=sys.stdout, profile_dir=None) -> None:
     dims = cfg.validate()
     t = cfg.training
     source = make_source(cfg.data, cfg.model, t.seed)  # CorpusError before anything starts
@@ -223,7 +264,9 @@ def run(cfg: Config, out=sys.stdout) -> None:
     dp_cp_group = par.group("dp_cp") if par else None
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
+    profiler = Profiler(cfg.trainer, t.max_steps, device, rank, profile_dir)
     for step in range(1, t.max_steps + 1):
+        profiler.before_step(step)
         microbatches = []
         for inputs_BS, labels_BS in local_microbatches(
             source,
@@ -267,6 +310,7 @@ def run(cfg: Config, out=sys.stdout) -> None:
         optimizer.zero_grad(set_to_none=True)
         sync(device)
         step_time = time.perf_counter() - t0
+        profiler.after_step(step)
 
         # Outside the timed region: host syncs and small reductions for the line.
         if pipe is not None:  # PP: the last stage's loss reaches rank 0; aux sums all stages
@@ -309,7 +353,7 @@ def main(argv: list[str]) -> int:
         )
         return 0 if argv else 2
     try:
-        run(load_config(argv[0], argv[1:]))
+        run(load_config(argv[0], argv[1:]), profile_dir=Path(argv[0]).resolve().parent / "profile")
         return 0
     except (*USER_ERRORS, TrainerError) as e:
         print(f"moe_perf.trainer: error: {e}", file=sys.stderr)
