@@ -104,6 +104,10 @@ class TrainerConfig:
     weight_decay: float = 0.1
     max_grad_norm: float = 1.0  # 0 disables clipping (clipping costs a global norm reduce)
     init_std: float = 0.02
+    # torch.profiler over the last `profile_steps` steps (0 = off): a kernel table and a Chrome
+    # trace per rank in `profile_dir` (default: a `profile` folder beside the config file)
+    profile_steps: int = 0
+    profile_dir: str | None = None
 
     def __post_init__(self):
         ac = self.activation_checkpointing
