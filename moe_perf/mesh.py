@@ -14,6 +14,21 @@ class MeshError(ValueError):
     """A mesh, batch or sequence setting that cannot run; the message names the override."""
 
 
+def check_microbatches(n_micro: int, pp: int, arithmetic: str = "") -> None:
+    """Micro-batches per rank and step >= pp when pp > 1: torch's Schedule1F1B refuses fewer
+    micro-batches than stages, and with fewer any schedule leaves stages idle. The one message
+    for this, used by `MeshDims.check_batch` (runner and trainer) and by the trainer's pipeline
+    (pp.py); schedule-specific rules (Interleaved1F1B) are the trainer's (pp.py).
+    """
+    if pp > 1 and n_micro < pp:
+        shown = f"{arithmetic} = {n_micro}" if arithmetic else str(n_micro)
+        raise MeshError(
+            f"micro-batches per rank >= pp fails: {shown} < mesh.pp={pp} (a pipeline schedule "
+            f"needs at least pp micro-batches per step); change training.micro_batch (or "
+            f"training.global_batch, mesh=...)"
+        )
+
+
 @dataclass(frozen=True)
 class MeshDims:
     world: int
@@ -64,11 +79,17 @@ class MeshDims:
             )
 
     def check_batch(self, global_batch: int, micro_batch: int = 1) -> None:
+        """The batch split the trainer needs: global_batch = dp * micro_batch * n_micro.
+
+        Each rank gets global_batch/dp sequences (>= 2*pp), cut into n_micro micro-batches of
+        micro_batch sequences; under pp > 1 a pipeline schedule needs n_micro >= pp.
+        """
         dp = self.dp
         if global_batch % dp:
             raise MeshError(
                 f"training.global_batch={global_batch} must be divisible by dp = world/(pp*cp) = "
-                f"{self.world}/({self.pp}*{self.cp}) = {dp}; change training.global_batch"
+                f"{self.world}/({self.pp}*{self.cp}) = {dp}; change training.global_batch "
+                f"(or mesh=...)"
             )
         local = global_batch // dp
         if local < 2 * self.pp:
@@ -76,11 +97,21 @@ class MeshDims:
                 f"global_batch/dp >= 2*pp fails: {global_batch}/{dp} = {local} < 2*{self.pp}; "
                 f"change training.global_batch (or mesh.pp)"
             )
-        if micro_batch < 1 or local % micro_batch:
+        if micro_batch < 1:
             raise MeshError(
-                f"training.micro_batch={micro_batch} must divide global_batch/dp = {local}; "
-                f"change training.micro_batch"
+                f"training.micro_batch={micro_batch} must be >= 1; change training.micro_batch"
             )
+        if local % micro_batch:
+            raise MeshError(
+                f"global_batch % (dp*micro_batch) == 0 fails: training.micro_batch={micro_batch} "
+                f"must divide global_batch/dp = {global_batch}/{dp} = {local}; change "
+                f"training.micro_batch (or training.global_batch, mesh=...)"
+            )
+        check_microbatches(
+            local // micro_batch,
+            self.pp,
+            arithmetic=f"global_batch/(dp*micro_batch) = {global_batch}/({dp}*{micro_batch})",
+        )
 
     def check_experts(self, num_experts: int) -> None:
         if num_experts % self.ep:

@@ -14,12 +14,14 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from moe_perf.trainer.config import ModelConfig
+from moe_perf.mesh import MeshError, check_microbatches
+from moe_perf.trainer.config import ConfigError, ModelConfig
 from moe_perf.trainer.cp import apply_context_parallel, shard_sequence
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
 from moe_perf.trainer.pp import (
     build_pipeline,
+    check_rounds,
     check_schedule,
     layer_flops,
     local_stage_ids,
@@ -75,6 +77,20 @@ def test_looped_placement_and_schedule_checks():
         check_schedule("1F1B", 2)
     with pytest.raises(ValueError, match="expected one of"):
         check_schedule("ZeroBubble", 1)
+
+
+def test_microbatch_counts_the_schedules_accept():
+    """torch's Schedule1F1B needs n_micro >= pp (the mesh.py check, the runner's message);
+    its Interleaved1F1B runs max(1, n // pp) rounds and needs n to be a multiple of them."""
+    with pytest.raises(MeshError, match="micro-batches per rank >= pp fails: 1 < mesh.pp=2"):
+        check_microbatches(1, 2)
+    check_microbatches(1, 1)
+    for n in (1, 2, 3, 4, 6, 8):
+        check_rounds("Interleaved1F1B", n, 2)
+    for n in (5, 7):
+        with pytest.raises(ConfigError, match="trainer.pp_schedule=Interleaved1F1B"):
+            check_rounds("Interleaved1F1B", n, 2)
+    check_rounds("1F1B", 5, 2)
 
 
 # ---------------------------------------------------------------------------------------------

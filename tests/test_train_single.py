@@ -125,6 +125,17 @@ def test_mesh_errors_use_the_runners_messages(tmp_path, capsys):
     cfg = write_config(tmp_path, mesh={"ep": 3})
     assert main([str(cfg)]) == 2
     assert "mesh.ep=3 must divide world/pp" in capsys.readouterr().err
+    # under pp: at least pp micro-batches per rank (checked before any process group exists)
+    cfg = write_config(
+        tmp_path,
+        mesh={"nproc_per_node": 4, "pp": 2, "ep": 2},
+        training={"global_batch": 8, "micro_batch": 4},
+    )
+    assert main([str(cfg)]) == 2
+    assert (
+        "micro-batches per rank >= pp fails: global_batch/(dp*micro_batch) = 8/(2*4) = 1 < "
+        "mesh.pp=2" in capsys.readouterr().err
+    )
 
 
 def test_world_size_mismatch_is_refused(tmp_path, capsys):

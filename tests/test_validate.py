@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 from conftest import commit, git, moe_perf, sweep_dir, write
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from moe_perf import validate
+from moe_perf.trainer.config import ConfigError, config_from_dict
 
 # (overrides, words the message must contain: the override to change and the arithmetic)
 VIOLATIONS = {
@@ -19,7 +21,11 @@ VIOLATIONS = {
     "seq % 2cp": (["mesh=cp2_ep2", "training.sequence_length=66"], ["training.sequence_length"]),
     "batch per dp >= 2pp": (["mesh=pp2_ep2", "training.global_batch=4"], ["training.global_batch"]),
     "batch % dp": (["mesh=ep4", "training.global_batch=6"], ["training.global_batch=6", "dp"]),
-    "micro batch": (["training.micro_batch=5"], ["training.micro_batch=5"]),
+    "micro batch": (["training.micro_batch=5"],
+                    ["training.micro_batch=5", "global_batch % (dp*micro_batch) == 0 fails"]),
+    "micro-batches >= pp": (["mesh=pp2_ep2", "training.micro_batch=16"],
+                            ["training.micro_batch", "micro-batches per rank >= pp fails",
+                             "global_batch/(dp*micro_batch) = 32/(2*16) = 1 < mesh.pp=2"]),
     "experts % ep": (["mesh=ep4", "model.num_experts=6"], ["model.num_experts=6", "mesh.ep=4"]),
     "corpus": (["data.corpus=dclm"], ["data.corpus=dclm", "moe_perf.trainer.data build"]),
     "one node locally": (["mesh=pp2_ep8"], ["mesh.nnodes=2", "launcher=local"]),
@@ -99,3 +105,20 @@ def test_refs_are_reported_together(repo):
     with pytest.raises(validate.PrerequisiteError) as err:
         validate.resolve_refs(repo, {"base": "nope", "feat": None})
     assert "refs.base=nope" in str(err.value) and "refs.feat is not set" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["batch per dp >= 2pp", "micro batch", "micro-batches >= pp"])
+def test_the_trainer_refuses_a_batch_with_the_runners_message(repo, name):
+    """The runner (validate.py, through the real command) and the trainer (Config.validate on
+    the resolved config) call the same mesh.py check: the same one-line message."""
+    overrides, _ = VIOLATIONS[name]
+    result = moe_perf(repo, *overrides, "wandb.mode=disabled")
+    assert result.returncode == 2, result.stdout + result.stderr
+    runner = next(line for line in result.stderr.splitlines() if "cannot run" in line)
+    cfg = compose_cfg(*overrides)
+    sections = ("model", "mesh", "dtype", "training", "data", "trainer")  # what the trainer reads
+    resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in sections}
+    with pytest.raises(ValueError) as err:
+        config_from_dict(resolved).validate()
+    assert not isinstance(err.value, ConfigError)  # MeshError, from mesh.py
+    assert runner.endswith(f"cannot run: {err.value}")

@@ -41,6 +41,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from moe_perf.mesh import check_microbatches
 from moe_perf.trainer.config import ConfigError, ModelConfig
 from moe_perf.trainer.model import Transformer, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
@@ -237,6 +238,21 @@ def check_schedule(name: str, virtual_stages: int) -> None:
         )
 
 
+def check_rounds(name: str, n_microbatches: int, pp: int) -> None:
+    """Interleaved1F1B (torch's flexible variant) runs max(1, n_microbatches // pp) rounds and
+    needs n_microbatches to be a multiple of them (pp=2: 2, 3, 4, 6, 8 run; 5, 7 do not)."""
+    if name != "Interleaved1F1B":
+        return
+    rounds = max(1, n_microbatches // pp)
+    if n_microbatches % rounds:
+        raise ConfigError(
+            f"trainer.pp_schedule=Interleaved1F1B needs the micro-batches per rank "
+            f"(global_batch/(dp*micro_batch) = {n_microbatches}) to be a multiple of its rounds "
+            f"max(1, {n_microbatches} // pp={pp}) = {rounds}; change training.micro_batch or "
+            f"training.global_batch (a multiple of pp always works)"
+        )
+
+
 def build_pipeline(
     modules: list[Transformer],
     stage_ids: list[int],
@@ -256,11 +272,8 @@ def build_pipeline(
     virtual_stages = len(modules)
     check_schedule(schedule, virtual_stages)
     pp = dist.get_world_size(pp_group)
-    if n_microbatches < pp:
-        raise ConfigError(
-            f"{n_microbatches} microbatches (global_batch/dp/micro_batch) < pp={pp}: the "
-            "pipeline would idle; change training.micro_batch (or training.global_batch)"
-        )
+    check_microbatches(n_microbatches, pp)  # the runner's check and message (mesh.py)
+    check_rounds(schedule, n_microbatches, pp)
     for module in modules:
         set_aux_loss_grad_scale(module, 1.0 / n_microbatches)
 
