@@ -72,6 +72,7 @@ def layer_flops(m: ModelConfig, layer_id: int, seq_len: int) -> float:
     else:
         routed = 2 * 3 * d * m.expert_ffn * m.top_k
         shared = 2 * 3 * d * m.shared_expert_ffn * m.num_shared_experts
+        shared += 2 * d if m.num_shared_experts and m.shared_expert_gate else 0  # sigmoid gate
         ffn = 2 * d * m.num_experts + routed + shared
     return attn_proj + attn_core + ffn
 
