@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
+from moe_perf.trainer.moe import gather_slots, inverse_permutation, permute_rows
+
 
 def all_to_all_autograd(
     x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: dist.ProcessGroup
@@ -29,17 +31,13 @@ def all_to_all_autograd(
     return funcol.wait_tensor(out)
 
 
-def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
-    return inv
-
-
 @dataclass
 class DispatchState:
     """What combine needs to undo dispatch."""
 
-    inv_order_S: torch.Tensor  # sorted slot -> original (token, k) slot
+    order_S: torch.Tensor  # sorted slot -> original (token, k) slot
+    inv_order_S: torch.Tensor  # original (token, k) slot -> sorted slot
+    recv_perm_N: torch.Tensor  # expert-sorted row -> received row
     inv_recv_perm_N: torch.Tensor  # received row -> its row in the expert-sorted buffer
     send_splits: list[int]  # slots sent to each EP rank
     recv_splits: list[int]  # slots received from each EP rank
@@ -82,7 +80,8 @@ class AllToAllDispatcher:
         # Sorting by global expert id also groups slots by destination rank (experts are
         # contiguous per rank), which is the layout all_to_all_single wants.
         order_S = torch.argsort(idx_S, stable=True)
-        x_SD = x_TD.index_select(0, order_S // K)
+        inv_order_S = inverse_permutation(order_S)
+        x_SD = gather_slots(x_TD, order_S, inv_order_S, K)
         send_counts_E = torch.bincount(idx_S, minlength=E)
 
         # recv_counts[s, l]: slots rank s sends to my local expert l.
@@ -100,12 +99,15 @@ class AllToAllDispatcher:
         local_ids = torch.arange(L, device=x_TD.device).repeat(ep)
         row_expert_N = torch.repeat_interleave(local_ids, recv_counts_flat, output_size=N)
         recv_perm_N = torch.argsort(row_expert_N, stable=True)
-        x_ND = x_recv_ND.index_select(0, recv_perm_N)
+        inv_recv_perm_N = inverse_permutation(recv_perm_N)
+        x_ND = permute_rows(x_recv_ND, recv_perm_N, inv_recv_perm_N)
         tokens_per_expert_L = recv_counts_EpL.sum(0)
 
         state = DispatchState(
-            inv_order_S=inverse_permutation(order_S),
-            inv_recv_perm_N=inverse_permutation(recv_perm_N),
+            order_S=order_S,
+            inv_order_S=inv_order_S,
+            recv_perm_N=recv_perm_N,
+            inv_recv_perm_N=inv_recv_perm_N,
             send_splits=send_splits,
             recv_splits=recv_splits,
             num_tokens=T,
@@ -115,9 +117,9 @@ class AllToAllDispatcher:
 
     @torch.compiler.disable
     def combine(self, y_ND: torch.Tensor, state: DispatchState) -> torch.Tensor:
-        y_recv_ND = y_ND.index_select(0, state.inv_recv_perm_N)
+        y_recv_ND = permute_rows(y_ND, state.inv_recv_perm_N, state.recv_perm_N)
         y_SD = all_to_all_autograd(y_recv_ND, state.send_splits, state.recv_splits, self.ep_group)
-        y_SD = y_SD.index_select(0, state.inv_order_S)
+        y_SD = permute_rows(y_SD, state.inv_order_S, state.order_S)
         return y_SD.view(state.num_tokens, state.top_k, -1)
 
 

@@ -79,6 +79,57 @@ class Router(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------
+# Row permutations with gather-only backward
+#
+# x.index_select(0, idx) has a scatter-add (atomic index_add) as its backward. When idx is a
+# permutation, or each token's K slots, the gradient is a gather by the inverse permutation
+# instead: on an H200 that cut the routed-token permute backward by about half.
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv.scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+    return inv
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, perm, inv):
+        ctx.save_for_backward(inv)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inv,) = ctx.saved_tensors
+        return grad.index_select(0, inv), None, None
+
+
+class _GatherSlots(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, order_N, inv_N, top_k: int):
+        ctx.save_for_backward(inv_N)
+        ctx.top_k = top_k
+        return x_TD.index_select(0, order_N // top_k)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        (inv_N,) = ctx.saved_tensors
+        grad_TKD = grad_ND.index_select(0, inv_N).view(-1, ctx.top_k, grad_ND.shape[-1])
+        return grad_TKD.sum(1), None, None, None
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """x[perm] for a permutation `perm` whose inverse is `inv`."""
+    return _PermuteRows.apply(x, perm, inv)
+
+
+def gather_slots(x_TD: torch.Tensor, order_N: torch.Tensor, inv_N: torch.Tensor, top_k: int):
+    """Rows x_TD[order_N // K]: the (token, k) slots s = t*K + k of x_TD in the order order_N
+    (a permutation of T*K slots, inverse inv_N); backward sums each token's K slot gradients."""
+    return _GatherSlots.apply(x_TD, order_N, inv_N, top_k)
+
+
+# --------------------------------------------------------------------------------------------
 # Dispatch (single device)
 
 
@@ -100,14 +151,13 @@ class LocalDispatcher:
         tokens_per_expert_L = torch.zeros(
             self.num_experts, dtype=torch.long, device=idx_N.device
         ).scatter_add_(0, idx_N, torch.ones_like(idx_N))
-        x_ND = x_TD.index_select(0, order_N // K)
-        return x_ND, tokens_per_expert_L, (order_N, topk_idx_TK.shape)
+        inv_N = inverse_permutation(order_N)
+        x_ND = gather_slots(x_TD, order_N, inv_N, K)
+        return x_ND, tokens_per_expert_L, (order_N, inv_N, topk_idx_TK.shape)
 
     def combine(self, y_ND: torch.Tensor, state) -> torch.Tensor:
-        order_N, (T, K) = state
-        # index_copy's backward is a gather (index_select), not a scatter-add.
-        y_TKD = y_ND.new_empty(y_ND.shape).index_copy(0, order_N, y_ND)
-        return y_TKD.view(T, K, -1)
+        order_N, inv_N, (T, K) = state
+        return permute_rows(y_ND, inv_N, order_N).view(T, K, -1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,8 +429,9 @@ class MoE(nn.Module):
         x_ND, tokens_per_expert_L, state = self.dispatcher.dispatch(x_TD, idx_TK)
         y_ND = self.experts(x_ND, tokens_per_expert_L)
         y_TKD = self.dispatcher.combine(y_ND, state)
-        # sum_k w_TK * y_TKD as one batched matmul [T,1,K] @ [T,K,D].
-        out_TD = torch.bmm(weights_TK.to(y_TKD.dtype).unsqueeze(1), y_TKD).squeeze(1)
+        # sum_k w_TK * y_TKD: elementwise and a reduction (fused under compile); a bmm of
+        # T [1,K] @ [K,D] products ran at a few TFLOP/s.
+        out_TD = (y_TKD * weights_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
 
         if self.shared is not None:
             shared_TD = self.shared(x_TD)
