@@ -25,8 +25,7 @@ failure):
 Each arm runs the trainer of its own commit: the runner puts the arm's worktree first on
 PYTHONPATH (moe_perf/launch.py). The sweep itself runs with the copy first on PYTHONPATH
 (existing entries kept), so it works where moe_perf, Hydra and friends come only through
-PYTHONPATH (no pip install), and with `--config-path <copy>/conf`, so the runner composes the
-copy's config rather than whatever `moe_perf.conf` an installed (or editable) package maps to.
+PYTHONPATH (no pip install); the runner then composes the copy's own conf/ (cli.config_dir).
 `wandb.mode=disabled` is added unless a --set names wandb.mode. Exit status: 0 done, 1 a sweep
 or the planted edit failed, 2 bad arguments.
 """
@@ -196,7 +195,6 @@ def sweep_command(
     swept = [f"repeat={','.join(str(r) for r in range(repeats))}"] if repeats > 1 else []
     return [
         sys.executable, "-m", "moe_perf",
-        "--config-path", str(repo / "conf"),
         *overrides,
         "refs.base=main", f"refs.feat={feat_ref}",
         f"hydra.sweep.dir={sweep_dir}",

@@ -336,7 +336,18 @@ def run_arm(cfg: DictConfig, job: Job | None = None) -> dict:
         return run_checked_arm(cfg, job, sweep)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://moe_perf.conf", config_name="config")
+def config_dir() -> str:
+    """The configs of the moe_perf that is running: `conf/` of its source tree when it runs
+    from one (a checkout on PYTHONPATH, an editable install), else the installed package's
+    `moe_perf.conf`. Resolving `pkg://moe_perf.conf` alone would fail without an install, and
+    with an editable install elsewhere it would mix that tree's configs with this code."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and (root / "conf" / "config.yaml").is_file():
+        return str(root / "conf")
+    return "pkg://moe_perf.conf"
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
     run_arm(cfg, current_job())
 

@@ -3,11 +3,12 @@
 Any trainer (the reference trainer, or a user's framework) prints, from one rank, once per
 optimizer step::
 
-    [moe_perf] step=3/8 step_time_s=0.4121 tokens_per_s=159021.3 peak_mem_gib=12.40 loss=10.8 tflops=301.2 mfu=0.381
+    [moe_perf] step=3/8 step_time_s=0.41 tokens_per_s=159021 peak_mem_gib=12.4 loss=10.8 mfu=0.3
 
 `step`, `step_time_s`, `tokens_per_s` and `peak_mem_gib` are required; `loss`, `tflops`
-(model TFLOP/s per GPU) and `mfu` (fraction of peak, 0..1) are optional. Other `key=value`
-pairs are kept as they are. Values are plain decimal numbers; an empty value means "unknown".
+(model TFLOP/s per GPU, e.g. `tflops=301.2`) and `mfu` (fraction of peak, 0..1) are
+optional. Other `key=value` pairs are kept as they are. Values are plain decimal numbers; an
+empty value means "unknown".
 Optionally, once, a line `[moe_perf] env {json}` describes the software and devices.
 
 Pure Python: the runner and the trainer both import it.
