@@ -1,9 +1,13 @@
 """Benchmark the reference trainer on one GPU with qwen3-30b-a3b layer shapes.
 
     python bench/bench_trainer.py                       # H200: 4 layers, seq 2048, bf16
-    python bench/bench_trainer.py --layers 6 --micro-batch 2 --set trainer.compile=true
+    python bench/bench_trainer.py --profile 1           # + where the GPU time goes
+    python bench/bench_trainer.py --eager --global-batch 16 --micro-batch 4
     python bench/bench_trainer.py --model tiny --seq 128 --global-batch 4 --micro-batch 2 \
-        --device cpu --steps 4                          # a CPU smoke run
+        --device cpu --eager --steps 4                  # a CPU smoke run
+
+Defaults (docs/benchmarks.md): 4 of qwen3-30b-a3b's 48 layers (fits one H200 with fp32 AdamW
+state), global batch 32 x 2048 tokens in micro-batches of 16, blocks and loss compiled.
 
 Writes a resolved config (the model's conf/model/*.yaml with the layer count cut, forced
 balance on) into --out, runs the real trainer on it (`torchrun --nproc-per-node 1 -m
@@ -38,6 +42,7 @@ def make_config(args) -> dict:
         model["num_layers"] = args.layers
         model["dense_layers"] = min(model.get("dense_layers", 0), args.layers)
     trainer = yaml.safe_load((ROOT / "conf" / "trainer" / "reference.yaml").read_text())
+    trainer["compile"] = not args.eager
     return {
         "model": model,
         "mesh": {"nnodes": 1, "nproc_per_node": 1, "pp": 1, "cp": 1, "ep": 1},
@@ -62,8 +67,9 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=4, help="cut the layer count to fit one GPU")
     p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--eager", action="store_true", help="trainer.compile=false")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "fp32"])
     p.add_argument("--device", default="auto")
@@ -145,6 +151,7 @@ def main() -> int:
         "global_batch": args.global_batch,
         "micro_batch": args.micro_batch,
         "dtype": args.dtype,
+        "compile": not args.eager,
         "steps_measured": len(measured),
         "step_time_s": med("step_time_s"),
         "tokens_per_s": med("tokens_per_s"),

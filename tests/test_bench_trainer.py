@@ -1,0 +1,70 @@
+"""bench/bench_trainer.py and bench/profile_summary.py on CPU: the real trainer, a real profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import profile_summary  # noqa: E402
+
+
+@pytest.mark.slow
+def test_bench_trainer_cpu_with_profile(tmp_path):
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "bench_trainer.py"),
+        "--model", "tiny", "--seq", "64", "--global-batch", "4", "--micro-batch", "2",
+        "--device", "cpu", "--eager", "--steps", "3", "--profile", "1", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    summary = json.loads((out / "bench.json").read_text())
+    # 3 timed steps + 1 profiled: step 1 and the profiled step are left out of the medians.
+    assert summary["steps_measured"] == 2
+    assert summary["tokens_per_s"] > 0 and summary["tflops"] > 0
+    assert summary["mfu"] is None  # no peak on CPU
+    assert summary["compile"] is False
+    config = (out / "config.yaml").read_text()
+    assert "max_steps: 4" in config and "benchmark: true" in config
+    table = (out / "profile" / "kernels_rank0.txt").read_text()
+    assert "aten::" in table
+    assert (out / "profile" / "trace_rank0.json").is_file()
+
+
+def _kernel(name, ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_profile_summary_categories_and_idle(tmp_path):
+    trace = {
+        "traceEvents": [
+            _kernel("nvjet_sm90_tst_256x128_gemm", 0, 600),
+            _kernel("ncclDevKernel_AllToAll", 500, 200),  # overlaps the GEMM by 100 us
+            _kernel("triton_poi_fused_mul_0", 1000, 100),
+            _kernel("void at::native::multi_tensor_apply_kernel<Adam>", 1200, 100),
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+        ]
+    }
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    s = profile_summary.summarize(path, steps=2)
+    cats = s["categories"]
+    assert cats["GEMM (dense and grouped)"]["ms_per_step"] == pytest.approx(0.3)
+    assert cats["communication (NCCL)"]["ms_per_step"] == pytest.approx(0.1)
+    assert set(cats) == {
+        "GEMM (dense and grouped)",
+        "communication (NCCL)",
+        "compiled fused (triton)",
+        "optimizer (foreach/Adam)",
+    }
+    # busy = [0, 700] + [1000, 1100] + [1200, 1300] = 900 us of a 1300 us span
+    assert s["busy_ms_per_step"] == pytest.approx(0.45)
+    assert s["idle_fraction"] == pytest.approx(400 / 1300)
+    assert "| GEMM (dense and grouped) | 0.3 |" in profile_summary.to_markdown(s)
