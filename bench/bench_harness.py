@@ -16,8 +16,10 @@ failure):
    the sweep's wall time, each arm's `wall_time_s` and `trainer_wall_s` (metrics.json), the
    harness overhead per arm = (sweep wall time - sum of trainer_wall_s) / arms, and the A/A
    difference of median step time and tokens/s (comparison.json).
-3. Planted slowdown: commits, on a branch `slow`, a `time.sleep(d)` right before the
-   `optimizer.step()` line of moe_perf/trainer/train.py (inside the timed region), with
+3. Planted slowdown: commits, on a branch `slow`, a delay of d seconds right before the
+   `optimizer.step()` line of moe_perf/trainer/train.py (inside the timed region): a GPU spin
+   kernel (torch.cuda._sleep, calibrated once) on CUDA, where a host sleep would hide behind
+   queued GPU work; time.sleep on CPU. With
    d = --slowdown x the A/A base median step time, then runs the A/B sweep refs.feat=slow and
    reports the measured difference (expected about +100 x --slowdown %).
 4. Prints a summary and writes every figure to --out (JSON, schema moe_perf.bench_harness/1).
@@ -134,11 +136,37 @@ def copy_project(root: Path, ref: str, dest: Path) -> str:
     return sha
 
 
+# The planted delay runs where the step's time is spent: on the GPU's stream when there is one
+# (a host sleep would hide behind the GPU work already queued: measured +0.05% for a 5% sleep on
+# an H200), on the host otherwise. Inserted before train.py's first top-level def/class.
+PLANTED_FN = """\
+def _planted_delay(seconds: float) -> None:  # planted by bench/bench_harness.py
+    if not torch.cuda.is_available():
+        time.sleep(seconds)
+        return
+    rate = getattr(_planted_delay, "cycles_per_s", None)
+    if rate is None:  # calibrate the spin kernel once (in step 1, which summaries drop)
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(50_000_000)
+        end.record()
+        end.synchronize()
+        rate = _planted_delay.cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1e3)
+    torch.cuda._sleep(int(seconds * rate))
+
+
+"""
+TOP_LEVEL_DEF_RE = re.compile(r"^(def|class) ", re.MULTILINE)
+
+
 def plant_slowdown(text: str, delay_s: float, slowdown: float) -> tuple[str, int]:
-    """train.py with `time.sleep(delay_s)` right before `optimizer.step()`; (text, line number).
+    """train.py delayed by `delay_s` right before `optimizer.step()`; (text, line number of
+    the planted call). The delay is `_planted_delay` (PLANTED_FN): a GPU spin kernel on CUDA,
+    a sleep on CPU.
 
     Fails loudly unless the anchor is there exactly once, inside the timed region, with `time`
-    imported as a module.
+    and `torch` imported as modules.
     """
     anchors = list(ANCHOR_RE.finditer(text))
     if len(anchors) != 1:
@@ -154,14 +182,24 @@ def plant_slowdown(text: str, delay_s: float, slowdown: float) -> tuple[str, int
             f"{TRAIN_PY}: `optimizer.step()` is not between `t0 = time.perf_counter()` and "
             f"`time.perf_counter() - t0`: a sleep there would not be timed; update the anchor"
         )
-    if not re.search(r"^import time$", text, re.MULTILINE):
-        raise BenchError(f"{TRAIN_PY}: no `import time` line; the planted sleep needs it")
-    line = (
-        f"{anchor['indent']}time.sleep({delay_s!r})  "
+    for module in ("time", "torch"):
+        if not re.search(rf"^import {module}$", text, re.MULTILINE):
+            raise BenchError(f"{TRAIN_PY}: no `import {module}` line; the planted delay needs it")
+    first_def = TOP_LEVEL_DEF_RE.search(text)
+    if first_def is None or first_def.start() > anchor.start():
+        raise BenchError(f"{TRAIN_PY}: no top-level def before the step to plant the delay at")
+    call = (
+        f"{anchor['indent']}_planted_delay({delay_s!r})  "
         f"# planted by bench/bench_harness.py: --slowdown {slowdown:g} of the A/A median step\n"
     )
-    planted = text[: anchor.start()] + line + text[anchor.start() :]
-    return planted, text.count("\n", 0, anchor.start()) + 1
+    planted = (
+        text[: first_def.start()]
+        + PLANTED_FN
+        + text[first_def.start() : anchor.start()]
+        + call
+        + text[anchor.start() :]
+    )
+    return planted, planted.count("\n", 0, planted.index(call)) + 1
 
 
 def commit_slow_branch(repo: Path, delay_s: float, slowdown: float) -> dict[str, Any]:

@@ -49,11 +49,25 @@ def test_the_planted_sleep_goes_inside_the_timed_step():
     text = committed_train_py()
     planted, line = bench.plant_slowdown(text, 0.0123, 0.5)
     lines = planted.splitlines()
-    assert lines[line - 1].strip().startswith("time.sleep(0.0123)")
+    assert lines[line - 1].strip().startswith("_planted_delay(0.0123)")
     assert lines[line].strip() == "optimizer.step()"
-    assert len(lines) == len(text.splitlines()) + 1
-    before, after = planted.split("time.sleep(0.0123)")
+    assert len(lines) == len(text.splitlines()) + len(bench.PLANTED_FN.splitlines()) + 1
+    before, after = planted.split("_planted_delay(0.0123)")
     assert "t0 = time.perf_counter()" in before and "time.perf_counter() - t0" in after
+    assert before.count("def _planted_delay(") == 1
+    compile(planted, "train.py", "exec")  # still valid Python
+
+    # The planted function delays by what it is asked, here on the host (no CUDA).
+    import time as time_module
+
+    import torch
+
+    namespace = {"time": time_module, "torch": torch}
+    exec(bench.PLANTED_FN, namespace)
+    t0 = time_module.perf_counter()
+    namespace["_planted_delay"](0.05)
+    if not torch.cuda.is_available():
+        assert time_module.perf_counter() - t0 >= 0.05
 
 
 def test_a_missing_anchor_fails_loudly():
