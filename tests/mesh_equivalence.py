@@ -1,9 +1,11 @@
 """The tiny model on a pp/cp/ep mesh, through the trainer's own code, against one process.
 
 `check_mesh(rank, world, pp=, cp=, ep=, ...)` runs on every rank of a gloo group (with
-tests.distributed_util.run_distributed): each rank builds the tiny model from one seed and a
-single-process reference copy, then `init_parallel` + `parallelize` (pipeline split, EP, CP,
-FSDP2) and trains two steps with plain SGD through train.py's step (`train.forward_backward`,
+tests.distributed_util.run_distributed): each rank builds the tiny model on the meta device as
+the trainer does, then `init_parallel` + `parallelize` (pipeline split, EP, materialization
+from the seed, CP, FSDP2), and a single-process reference from the same seed; every parameter
+this rank holds must equal the reference's exactly (its slice of it). Both train two steps with
+plain SGD through train.py's step (`train.forward_backward`,
 or `pp.forward_backward` + `pp.step_metrics` under PP) on train.py's data layout (micro-batch m
 of dp rank r is global rows (m*dp + r)*micro_batch..., zig-zag sharded over cp).
 
@@ -20,7 +22,6 @@ it routes a token differently from one process by design: CP cases use the route
 
 from __future__ import annotations
 
-import copy
 import re
 from contextlib import nullcontext
 from pathlib import Path
@@ -90,6 +91,23 @@ def full_grad(name, param, par) -> torch.Tensor:
     return g
 
 
+def full_param(name, param, par) -> torch.Tensor:
+    p = param.detach()
+    p = p.full_tensor() if hasattr(p, "full_tensor") else p
+    if name.split(".")[-1] in EXPERT_WEIGHTS and ".experts." in name and par.dims.ep > 1:
+        parts = [torch.empty_like(p) for _ in range(par.dims.ep)]
+        dist.all_gather(parts, p.contiguous(), group=par.group("ep"))
+        p = torch.cat(parts)
+    return p
+
+
+def reference_name(name: str, pipelined: bool) -> str:
+    """The reference's name of a parameter of the parallelized model (stage index and
+    checkpoint wrapper removed)."""
+    name = name.replace("._checkpoint_wrapped_module", "")
+    return re.sub(r"^\d+\.", "", name) if pipelined else name
+
+
 def reference_step(reference, rows, micro_batch, dp):
     per_rank = [dp_microbatches(rows, micro_batch, dp, r) for r in range(dp)]
     n = len(per_rank[0])
@@ -124,16 +142,19 @@ def check_mesh(
     )
     dims = MeshDims(world=world, pp=pp_, cp=cp, ep=ep)
     reference = build_model(cfg.model, seed=0, force_balance=benchmark, balance_ep=ep)
-    model = copy.deepcopy(reference)
+    model = build_model(cfg.model, seed=0, force_balance=benchmark, balance_ep=ep, device="meta")
     par = init_parallel(dims, torch.device("cpu"))
     model = parallelize(model, par, cfg)
     model.train()
     pipe = par.pipeline
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        ref_name = reference_name(name, pipe is not None)
+        assert torch.equal(full_param(name, p, par), ref_params[ref_name]), ref_name
     dp_rank, cp_rank, dp_cp_rank = par.rank("dp"), par.rank("cp"), par.dp_cp_rank
     tokens_per_micro = micro_batch * SEQ // cp
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    ref_params = dict(reference.named_parameters())
 
     for step in range(1, STEPS + 1):
         rows = step_rows(step, cfg.model.vocab_size)
@@ -160,8 +181,7 @@ def check_mesh(
         if step == 1:
             checked = 0
             for name, p in model.named_parameters():
-                ref_name = name.replace("._checkpoint_wrapped_module", "")
-                ref_name = re.sub(r"^\d+\.", "", ref_name) if pipe is not None else ref_name
+                ref_name = reference_name(name, pipe is not None)
                 torch.testing.assert_close(
                     full_grad(name, p, par),
                     ref_params[ref_name].grad,

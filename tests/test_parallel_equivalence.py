@@ -1,12 +1,14 @@
 """The tiny model under expert and data parallel gives the loss and gradients of one process.
 
-For each mesh (dp, ep) on `dp` gloo processes: every rank builds the full tiny model from the
-same seed and a single-process reference copy, then `init_parallel` + `parallelize` (EP slices
-experts and swaps dispatchers, FSDP2 shards). Both train 3 steps on the same global batches
+For each mesh (dp, ep) on `dp` gloo processes: every rank builds the tiny model on the meta
+device as the trainer does, then `init_parallel` + `parallelize` (EP slices experts and swaps
+dispatchers, the rank's part is materialized from the seed, FSDP2 shards), and a
+single-process reference from the same seed. Both train 3 steps on the same global batches
 (train.py's data layout: micro-batch m of dp rank r is global rows (m*dp + r)*micro_batch...),
 with gradient accumulation over micro-batches and plain SGD at a fixed lr. The reference runs
 micro-step m on the union of the ranks' m-th micro-batches, which is what the global-batch
 balance loss sees under data parallel. Checked:
+  * the initial parameters, gathered (FSDP shards, then EP shards): exactly the reference's;
   * step-1 gradients: every parameter, gathered (FSDP shards, then EP shards), against the
     reference's gradient;
   * the global gradient norm (parallelize.clip_grad_norm_ over FSDP and EP shards) against
@@ -19,7 +21,6 @@ different order: all-reduces, per-rank batches, expert-sorted rows).
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
@@ -121,14 +122,16 @@ def _check_mesh(rank, world, ep, micro_batch, benchmark, load_balance):
     cfg = tiny_config(dp, ep, micro_batch, benchmark, load_balance)
     dims = MeshDims(world=world, ep=ep)
     reference = build_model(cfg.model, seed=0, force_balance=benchmark, balance_ep=ep)
-    model = copy.deepcopy(reference)
+    model = build_model(cfg.model, seed=0, force_balance=benchmark, balance_ep=ep, device="meta")
     par = init_parallel(dims, torch.device("cpu"))
     model = parallelize(model, par, cfg)
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(full_param(name, p, par), ref_params[name]), name
 
     tokens_per_micro = micro_batch * SEQ
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
-    ref_params = dict(reference.named_parameters())
 
     for step in range(1, STEPS + 1):
         rows = global_rows(step, cfg.model.vocab_size)

@@ -126,7 +126,11 @@ class AllToAllDispatcher:
 def shard_experts_(experts: torch.nn.Module, ep_rank: int, ep: int) -> None:
     """Keep only this EP rank's slice [r*E/ep, (r+1)*E/ep) of every expert weight (dim 0).
 
-    All ranks build the full model from the same seed first, so the slices are consistent.
+    The trainer slices the model while it is still on the meta device (nothing allocated);
+    parallelize.py then materializes the slice, whose experts draw from their own streams by
+    GLOBAL id (`first_expert`, moe.GroupedExperts.init_weights): the slice holds the values of
+    the full model that one process builds from the same seed. On a model already
+    materialized (tests) the slice is copied out of the full weights.
     """
     for name, param in list(experts.named_parameters(recurse=False)):
         E = param.shape[0]
@@ -136,4 +140,6 @@ def shard_experts_(experts: torch.nn.Module, ep_rank: int, ep: int) -> None:
         local = param.detach()[ep_rank * L : (ep_rank + 1) * L].clone()
         setattr(experts, name, torch.nn.Parameter(local, requires_grad=param.requires_grad))
     if hasattr(experts, "num_experts"):
-        experts.num_experts = experts.num_experts // ep
+        L = experts.num_experts // ep
+        experts.first_expert = getattr(experts, "first_expert", 0) + ep_rank * L
+        experts.num_experts = L

@@ -6,6 +6,14 @@ parallelize.py: layers live in a ModuleDict keyed by index so a pipeline stage c
 and keep parameter names, `tok_embeddings`/`norm`/`output` may be set to None on middle stages,
 and `Attention.attend` can be replaced by a context-parallel attention.
 
+Initialisation is per unit (the embedding, each layer by its global id, the final norm, the
+head), each from its own seeded stream, and per routed expert within a layer
+(`Transformer.init_weights`): a parameter's values do not depend on which other layers or
+experts exist in the process. So the trainer builds the model on the meta device, lets
+parallelize.py drop other stages' layers and other EP ranks' experts, and only then allocates
+and initialises what is left (`materialize`): every rank holds exactly its slices of the model
+that one process builds from the same seed, and never the whole model.
+
 Shape legend: B sequences, S positions (on this rank), D hidden, H query heads, G kv heads,
 Dh q/k head dim, Dv v head dim, R rotary dims (<= Dh), V vocab.
 """
@@ -19,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_perf.trainer.config import ModelConfig
-from moe_perf.trainer.moe import FeedForward, MoE
+from moe_perf.trainer.moe import FeedForward, MoE, init_generator
 
 
 class RMSNorm(nn.Module):
@@ -81,10 +89,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(m.head_dim, m.norm_eps) if m.qk_norm else None
         self.attend = causal_attention  # context parallel swaps this
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float, generator=None) -> None:
         for w in (self.wq, self.wk, self.wv):
-            nn.init.trunc_normal_(w.weight, std=std)
-        nn.init.trunc_normal_(self.wo.weight, std=out_std)
+            nn.init.trunc_normal_(w.weight, std=std, generator=generator)
+        nn.init.trunc_normal_(self.wo.weight, std=out_std, generator=generator)
         for n in (self.q_norm, self.k_norm):
             if n is not None:
                 n.init_weights()
@@ -131,11 +139,11 @@ class Block(nn.Module):
         else:
             self.ffn = FeedForward(m.hidden, m.dense_ffn, m.swiglu_clamp)
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float, generator=None) -> None:
         self.attention_norm.init_weights()
         self.ffn_norm.init_weights()
-        self.attention.init_weights(std, out_std)
-        self.ffn.init_weights(std, out_std)
+        self.attention.init_weights(std, out_std, generator)
+        self.ffn.init_weights(std, out_std, generator)
 
     def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
         h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), positions_BS)
@@ -159,19 +167,39 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(m.hidden, m.norm_eps)
         self.output = nn.Linear(m.hidden, m.vocab_size, bias=False)
 
+    def init_units(self) -> list[tuple[int, nn.Module]]:
+        """(unit index, module) for the init units this module holds: tok_embeddings 0, layer
+        i 1 + i (its GLOBAL id: a pipeline stage keeps the full model's layer keys), norm L + 1,
+        output L + 2, with L the full model's layer count."""
+        L = self.config.num_layers
+        units = [(0, self.tok_embeddings)]
+        units += [(1 + int(i), block) for i, block in self.layers.items()]
+        units += [(L + 1, self.norm), (L + 2, self.output)]
+        return [(u, module) for u, module in units if module is not None]
+
     @torch.no_grad()
-    def init_weights(self, std: float = 0.02) -> None:
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Normal(0, std) everywhere; residual output projections scaled by 1/sqrt(2*layers)
-        (GPT-2); the head by 1/sqrt(hidden). Uses the global RNG: seed before calling."""
+        (GPT-2); the head by 1/sqrt(hidden); norms one; the embedding Normal(0, 1).
+
+        Unit u draws from its own generator on the unit's device, seeded from (seed, u), and
+        routed expert e of a layer from (that seed, weight, e) (moe.GroupedExperts): the values
+        of a unit do not depend on the other units, nor an expert's on the other experts, so a
+        pipeline stage or an EP rank gets exactly its part of the model one process builds.
+        The global RNG is not used. The values depend on the device type (CPU and CUDA
+        generators differ), as before.
+        """
         out_std = std / math.sqrt(2 * max(1, self.config.num_layers))
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=1.0)
-        for block in self.layers.values():
-            block.init_weights(std, out_std)
-        if self.norm is not None:
-            self.norm.init_weights()
-        if self.output is not None:
-            nn.init.trunc_normal_(self.output.weight, std=self.config.hidden**-0.5)
+        for u, unit in self.init_units():
+            gen = init_generator(next(unit.parameters()).device, seed, u)
+            if unit is self.tok_embeddings:
+                nn.init.normal_(unit.weight, std=1.0, generator=gen)
+            elif unit is self.norm:
+                unit.init_weights()
+            elif unit is self.output:
+                nn.init.trunc_normal_(unit.weight, std=self.config.hidden**-0.5, generator=gen)
+            else:
+                unit.init_weights(std, out_std, gen)
 
     def forward(self, tokens_BS: torch.Tensor, positions_BS: torch.Tensor | None = None):
         h_BSD = self.tok_embeddings(tokens_BS) if self.tok_embeddings is not None else tokens_BS
@@ -194,12 +222,26 @@ def build_model(
     device: torch.device | str = "cpu",
     init_std: float = 0.02,
 ) -> Transformer:
-    """The full model, initialised from `seed` on `device`: identical on every rank."""
-    with torch.device(device):
+    """The full model, initialised from `seed` on `device`: identical on every rank.
+
+    device="meta": the uninitialised model, no memory allocated (`seed` and `init_std` unused);
+    parallelize.py cuts it to this rank's part and calls `materialize` with the same seed.
+    """
+    with torch.device("meta"):
         model = Transformer(m, force_balance=force_balance, balance_ep=balance_ep)
-    torch.manual_seed(seed)
-    model.init_weights(init_std)
+    if torch.device(device).type != "meta":
+        materialize(model, device, seed=seed, init_std=init_std)
     return model
+
+
+def materialize(
+    model: Transformer, device: torch.device | str, *, seed: int, init_std: float = 0.02
+) -> None:
+    """Allocate a meta-device model (or a pipeline stage of one, or one with EP-sliced experts)
+    on `device` and initialise it from `seed`: the values of the full model's same parameters
+    (or slices). Allocates only what the module holds."""
+    model.to_empty(device=device)
+    model.init_weights(seed, init_std)
 
 
 def cross_entropy(logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:

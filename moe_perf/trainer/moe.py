@@ -10,10 +10,28 @@ F expert FFN width, N routed (token, k) slots handled by the experts (T*K withou
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+# --------------------------------------------------------------------------------------------
+# Initialisation streams
+
+
+def init_seed(*keys) -> int:
+    """A 63-bit seed determined by `keys` (ints and strings) alone: one independent random
+    stream per key tuple, the same in every process (unlike Python's salted str hash)."""
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def init_generator(device: torch.device | str, *keys) -> torch.Generator:
+    """A generator on `device` seeded from `keys` (its `initial_seed()` is that seed)."""
+    return torch.Generator(device=device).manual_seed(init_seed(*keys))
+
 
 # --------------------------------------------------------------------------------------------
 # Forced balance (REFERENCE §3)
@@ -189,22 +207,39 @@ class GroupedExperts(nn.Module):
     """L SwiGLU experts as stacked weights: w1, w3 [L, D, F], w2 [L, F, D].
 
     forward(x_ND, tokens_per_expert_L): rows of x_ND are grouped by expert in order 0..L-1.
-    EP keeps rank r's slice [r*E/ep, (r+1)*E/ep) of every weight and sets num_experts to L.
+    EP keeps rank r's slice [r*E/ep, (r+1)*E/ep) of every weight, sets num_experts to L and
+    first_expert (the global id of local expert 0) to r*E/ep.
     """
 
     def __init__(self, num_experts: int, dim: int, ffn: int, swiglu_clamp: float = 0.0):
         super().__init__()
         self.num_experts = num_experts
+        self.first_expert = 0
         self.swiglu_clamp = swiglu_clamp
         self.backend = "auto"  # auto: _grouped_mm where it runs, else loop | grouped_mm | loop
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn, dim))
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, std=std)
-        nn.init.trunc_normal_(self.w3, std=std)
-        nn.init.trunc_normal_(self.w2, std=out_std)
+    def init_weights(self, std: float, out_std: float, generator=None) -> None:
+        """Truncated normal weights.
+
+        With `generator` (the model's per-unit init, model.Transformer.init_weights) expert e
+        of each weight draws from its own stream, seeded from (the generator's seed, weight
+        name, GLOBAL expert id first_expert + e), and nothing from `generator` itself: an EP
+        rank that holds only experts [first, first + L) initialises exactly their slice of the
+        full layer, without ever allocating the full layer. Without, the global RNG fills
+        whole tensors.
+        """
+        for name, s in (("w1", std), ("w3", std), ("w2", out_std)):
+            w = getattr(self, name)
+            if generator is None:
+                nn.init.trunc_normal_(w, std=s)
+                continue
+            unit = generator.initial_seed()
+            for e in range(w.shape[0]):
+                g = init_generator(w.device, unit, name, self.first_expert + e)
+                nn.init.trunc_normal_(w[e], std=s, generator=g)
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self.w1, self.w2, self.w3
@@ -246,10 +281,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(ffn, dim, bias=False)
         self.swiglu_clamp = swiglu_clamp
 
-    def init_weights(self, std: float, out_std: float) -> None:
+    def init_weights(self, std: float, out_std: float, generator=None) -> None:
         for w in (self.w1, self.w3):
-            nn.init.trunc_normal_(w.weight, std=std)
-        nn.init.trunc_normal_(self.w2.weight, std=out_std)
+            nn.init.trunc_normal_(w.weight, std=std, generator=generator)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x), self.swiglu_clamp))
@@ -396,15 +431,18 @@ class MoE(nn.Module):
     def global_token_offset(self, offset: int) -> None:
         self.token_offset.fill_(offset)  # in place: no sync, and compiled code sees the value
 
-    def init_weights(self, std: float, out_std: float) -> None:
-        nn.init.trunc_normal_(self.router.gate.weight, std=std)
+    def init_weights(self, std: float, out_std: float, generator=None) -> None:
+        """Weights from `generator` (None: the global RNG); also resets the token offset, a
+        non-persistent buffer that `to_empty` leaves uninitialised."""
+        nn.init.trunc_normal_(self.router.gate.weight, std=std, generator=generator)
         if self.router.gate.bias is not None:
             nn.init.zeros_(self.router.gate.bias)
-        self.experts.init_weights(std, out_std)
+        self.experts.init_weights(std, out_std, generator)
         if self.shared is not None:
-            self.shared.init_weights(std, out_std)
+            self.shared.init_weights(std, out_std, generator)
         if self.shared_gate is not None:
-            nn.init.trunc_normal_(self.shared_gate.weight, std=std)
+            nn.init.trunc_normal_(self.shared_gate.weight, std=std, generator=generator)
+        self.token_offset.zero_()
 
     def route(self, x_TD: torch.Tensor):
         """(scores_TE, real topk_idx_TK, dispatched topk_idx_TK, gating weights_TK)."""

@@ -1,9 +1,11 @@
 """All distribution of the single-device model, applied in one place and in a fixed order.
 
     init_parallel(mesh_dims, device) -> Parallel    once, after init_process_group
-    parallelize(model, par, cfg) -> model           on the full model, built identically on
-                                                    every rank from the same seed (with
-                                                    balance_ep = mesh.ep for forced balance)
+    parallelize(model, par, cfg) -> model           on the model built on the meta device
+                                                    (model.build_model(device="meta"), with
+                                                    balance_ep = mesh.ep for forced balance);
+                                                    a model already materialized (identical
+                                                    on every rank) also works
     clip_grad_norm_(params, max_norm, par)          global norm over FSDP and EP shards
 
 The train loop reads ranks and groups from `Parallel` (`rank("dp")`, `dp_cp_rank`,
@@ -14,6 +16,10 @@ forward/backward on the returned ModuleList of local stages.
 Order (each step sees the model the previous one left):
   1. pipeline split        pp.py, when mesh.pp > 1 (steps 2-5 then run on each local stage)
   2. expert parallel       slice expert weights to this rank's experts; all-to-all dispatchers
+     materialize           a meta model: allocate what is left on the device and initialise
+                           it from training.seed (model.materialize); its values are this
+                           rank's slices of the one-process model, and building never holds
+                           more than this rank's layers and experts (before FSDP shards them)
   3. context parallel      cp.py, when mesh.cp > 1
   4. activation checkpointing, then compile (per block)
   5. FSDP2                 experts over edp, everything else over dp*cp (none when dp*cp = 1)
@@ -44,6 +50,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moe_perf.mesh import MeshDims
 from moe_perf.trainer.ep import AllToAllDispatcher, shard_experts_
+from moe_perf.trainer.model import materialize
 from moe_perf.trainer.moe import moe_layers
 
 # Gradients are reduced in fp32 even when parameters are gathered in bf16: a bf16 sum over many
@@ -158,9 +165,10 @@ def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
         model_parts = [model]
 
     for part in model_parts:
-        # 2. Expert parallel -------------------------------------------------------------------
+        # 2. Expert parallel, then allocate and initialise what this rank holds --------------
         if dims.ep > 1:
             apply_expert_parallel(part, par)
+        materialize_if_meta(part, par.device, cfg)
 
         # 3. Context parallel ------------------------------------------------------------------
         if dims.cp > 1:
@@ -213,6 +221,17 @@ def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
         )
         return nn.ModuleList(model_parts)
     return model
+
+
+def materialize_if_meta(model: nn.Module, device: torch.device, cfg) -> None:
+    """Allocate a meta-device model part on `device` and initialise it from training.seed and
+    trainer.init_std (model.materialize); a part already on a device is left as it is."""
+    on_meta = [p.is_meta for p in model.parameters()] + [b.is_meta for b in model.buffers()]
+    if not any(on_meta):
+        return
+    if not all(on_meta):
+        raise ValueError("parallelize: the model is partly on the meta device")
+    materialize(model, device, seed=cfg.training.seed, init_std=cfg.trainer.init_std)
 
 
 def apply_expert_parallel(model: nn.Module, par: Parallel) -> None:

@@ -226,12 +226,14 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None) -> None:
     if rank == 0:
         print(contract.format_env(environment(device, dims.world)), file=out, flush=True)
 
+    # With parallelize.py the model starts on the meta device: it allocates and initialises
+    # only this rank's part (its pipeline stages' layers, its EP slice of the experts).
     model = build_model(
         cfg.model,
         seed=t.seed,
         force_balance=t.benchmark,
         balance_ep=dims.ep,
-        device=device,
+        device="meta" if api else device,
         init_std=cfg.trainer.init_std,
     )
     for layer in moe.moe_layers(model):
