@@ -236,3 +236,20 @@ def test_a_repository_without_the_trainer_says_both_arms_run_the_same_code(tmp_p
     assert "both arms run the same (installed) trainer code" in result.stdout
     shutil.rmtree(repo / "outputs")
     assert sorted(os.listdir(repo)) == [".git", "README.md"]
+
+
+def test_reference_trainer_runs_the_pp_and_cp_presets(tmp_path):
+    """The runner's pp2_ep2 and cp2_ep2 presets (world 4) through the real command."""
+    repo = make_repo(tmp_path / "repo")
+    small = ["training.sequence_length=64", "training.global_batch=8", "training.max_steps=3",
+             "wandb.mode=disabled", "timeout_s=300"]  # fmt: skip
+    result = moe_perf(repo, *small, "-m", "mesh=pp2_ep2,cp2_ep2", "arm=base")
+    assert_ok(result)
+    arms = sweep_dir(repo) / "tiny"
+    for tag in ("pp2-dp2-cp1-ep2-seq64-bf16", "pp1-dp2-cp2-ep2-seq64-bf16"):
+        rec = record(arms / f"{tag}-base")
+        assert rec["status"] == "ok", rec.get("failure")
+        assert rec["environment"]["world_size"] == 4
+        assert [s["step"] for s in rec["steps"]] == [1, 2, 3]
+        assert rec["summary"]["tokens_per_s"] > 0 and rec["summary"]["tflops"] is not None
+    assert_repo_untouched(repo)
