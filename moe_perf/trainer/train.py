@@ -249,8 +249,9 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None) -> None:
         part.train()
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     # Fused AdamW on GPU: one kernel per parameter group instead of a dozen foreach passes.
+    groups = api.optimizer_param_groups(params) if api else [{"params": params}]
     optimizer = torch.optim.AdamW(
-        params,
+        groups,
         lr=t.lr,
         betas=(0.9, 0.95),
         weight_decay=cfg.trainer.weight_decay,
