@@ -595,7 +595,7 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         raise BenchError(f"A/A base median step time {base_median} s gives no delay to plant")
     slow = commit_slow_branch(repo, delay_s, args.slowdown)
     print(
-        f"[bench] planted time.sleep({delay_s}) at {TRAIN_PY}:{slow['line']} on branch slow",
+        f"[bench] planted a {delay_s} s delay at {TRAIN_PY}:{slow['line']} on branch slow",
         flush=True,
     )
 
