@@ -47,3 +47,17 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
 
 def run_distributed(fn, world_size: int, *args) -> None:
     mp.spawn(_worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+EXPERT_WEIGHTS = ("w1", "w2", "w3")
+
+
+def full_tensor(name: str, t: torch.Tensor, par) -> torch.Tensor:
+    """A parallelized model's parameter or gradient `t` (named `name`) as the full tensor one
+    process holds: FSDP shards gathered, EP slices of the expert weights concatenated."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
+    if name.split(".")[-1] in EXPERT_WEIGHTS and ".experts." in name and par.dims.ep > 1:
+        parts = [torch.empty_like(t) for _ in range(par.dims.ep)]
+        dist.all_gather(parts, t.contiguous(), group=par.group("ep"))
+        t = torch.cat(parts)
+    return t

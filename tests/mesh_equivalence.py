@@ -38,11 +38,11 @@ from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
 from moe_perf.trainer.parallelize import clip_grad_norm_, init_parallel, parallelize
 from moe_perf.trainer.train import forward_backward
+from tests.distributed_util import full_tensor
 
 RTOL, ATOL = 1e-5, 1e-6
 SEQ, GLOBAL_BATCH, STEPS, LR = 16, 8, 2, 0.5
 TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 def make_config(world, pp_, cp, ep, micro_batch, benchmark, load_balance, schedule, ac, experts):
@@ -81,24 +81,12 @@ def dp_microbatches(rows, micro_batch, dp, dp_rank):
     return out
 
 
-def full_grad(name, param, par) -> torch.Tensor:
-    g = param.grad
-    g = g.full_tensor() if hasattr(g, "full_tensor") else g
-    if name.split(".")[-1] in EXPERT_WEIGHTS and ".experts." in name and par.dims.ep > 1:
-        parts = [torch.empty_like(g) for _ in range(par.dims.ep)]
-        dist.all_gather(parts, g.contiguous(), group=par.group("ep"))
-        g = torch.cat(parts)
-    return g
+def full_grad(name: str, param, par) -> torch.Tensor:
+    return full_tensor(name, param.grad, par)
 
 
-def full_param(name, param, par) -> torch.Tensor:
-    p = param.detach()
-    p = p.full_tensor() if hasattr(p, "full_tensor") else p
-    if name.split(".")[-1] in EXPERT_WEIGHTS and ".experts." in name and par.dims.ep > 1:
-        parts = [torch.empty_like(p) for _ in range(par.dims.ep)]
-        dist.all_gather(parts, p.contiguous(), group=par.group("ep"))
-        p = torch.cat(parts)
-    return p
+def full_param(name: str, param, par) -> torch.Tensor:
+    return full_tensor(name, param.detach(), par)
 
 
 def reference_name(name: str, pipelined: bool) -> str:

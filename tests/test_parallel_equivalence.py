@@ -33,13 +33,12 @@ from moe_perf.trainer.config import config_from_dict
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
 from moe_perf.trainer.parallelize import clip_grad_norm_, init_parallel, parallelize
-from tests.distributed_util import run_distributed
+from tests.distributed_util import full_tensor, run_distributed
 
 RTOL, ATOL = 1e-5, 1e-6
 SEQ, GLOBAL_BATCH, STEPS, LR = 16, 8, 3, 0.5
 MAX_GRAD_NORM = 0.5  # below the tiny model's gradient norm: clipping is active
 TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
 def tiny_config(dp: int, ep: int, micro_batch: int, benchmark: bool, load_balance: str):
@@ -81,24 +80,11 @@ def local_microbatches(rows: torch.Tensor, micro_batch: int, dp: int, dp_rank: i
 
 
 def full_grad(name: str, param, par) -> torch.Tensor:
-    """The whole gradient of `param`: FSDP shards gathered, then the EP group's experts."""
-    g = param.grad
-    g = g.full_tensor() if hasattr(g, "full_tensor") else g
-    if name.split(".")[-1] in EXPERT_WEIGHTS and ".experts." in name and par.dims.ep > 1:
-        parts = [torch.empty_like(g) for _ in range(par.dims.ep)]
-        dist.all_gather(parts, g.contiguous(), group=par.group("ep"))
-        g = torch.cat(parts)
-    return g
+    return full_tensor(name, param.grad, par)
 
 
 def full_param(name: str, param, par) -> torch.Tensor:
-    p = param.detach()
-    p = p.full_tensor() if hasattr(p, "full_tensor") else p
-    if name.split(".")[-1] in EXPERT_WEIGHTS and ".experts." in name and par.dims.ep > 1:
-        parts = [torch.empty_like(p) for _ in range(par.dims.ep)]
-        dist.all_gather(parts, p.contiguous(), group=par.group("ep"))
-        p = torch.cat(parts)
-    return p
+    return full_tensor(name, param.detach(), par)
 
 
 def train_step(model, microbatches, offsets, tokens_per_micro, group=None) -> torch.Tensor:
