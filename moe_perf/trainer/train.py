@@ -248,14 +248,15 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None) -> None:
     for part in parts:
         part.train()
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
-    # Fused AdamW on GPU: one kernel per parameter group instead of a dozen foreach passes.
+    # Fused AdamW (GPU and CPU, so the CPU tests run the GPU's optimizer path): one kernel per
+    # parameter group instead of a dozen foreach passes (72.6 -> 31.9 ms/step on one H200).
     groups = api.optimizer_param_groups(params) if api else [{"params": params}]
     optimizer = torch.optim.AdamW(
         groups,
         lr=t.lr,
         betas=(0.9, 0.95),
         weight_decay=cfg.trainer.weight_decay,
-        fused=device.type == "cuda" or None,
+        fused=True,
     )
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
