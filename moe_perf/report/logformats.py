@@ -1,0 +1,591 @@
+"""Per-step samples from a trainer's console output, in every format moe_perf reads, brought to
+the contract's meaning before anything is recorded or compared.
+
+A format is one of `FORMATS` or a regular expression with named groups (`REGEX_GROUPS`). What
+each framework prints (read in its own source) and what it leaves out:
+
+* contract: `[moe_perf] step=k/N step_time_s=... tokens_per_s=... peak_mem_gib=...`, global
+  tokens/s, from one rank (docs/trainer-contract.md). Taken as printed, rank 0 only.
+* torchtitan: `step: 2  loss: 6.09  grad_norm: 4.2  memory: 4.26GiB(2.39%)  tps: 72,915
+  tflops: 39.59  mfu: 38.1%`, after a `[titan] 2026-07-17 12:05:19,496 - root - INFO - ` logger
+  prefix. Before mid-2024 `wps:` instead of `tps:` and no tflops; 0.3 colours every field
+  (copied logs often lose the ESC byte: `[31mstep:`). `tps` is PER DEVICE: local tokens /
+  (time x cp x tp x pp), the local tokens counted before the CP split, so global tokens/s =
+  tps x world. No step time is printed: it is global_batch x seq / world / tps where the shape
+  is known, else the difference of two lines' timestamps. `memory` is the peak reserved since
+  the last log line; `tflops: 0.00` / `mfu: N/A` mean not computed. `validate step:` lines are
+  evaluation and never a training step. Any rank may print its own line.
+* megatron: ` [2024-04-06 02:59:36] iteration  43/ 100 | consumed samples: ... | elapsed time
+  per iteration (ms): 5444.9 | throughput per GPU (TFLOP/s/GPU): 239.8 | ... | global batch
+  size: 128 | lm loss: ... | number of skipped iterations: 0 |` from the last pipeline rank;
+  memory in separate `[Rank r] (after k iterations) memory (MB) | ... | max reserved: ...`
+  reports (MiB; Megatron-Bridge: `memory (GB) | mem-max-reserved-gigabytes: ...`, decimal GB).
+  A skipped iteration (fp16 loss-scale overflow) did no update and is not counted.
+* nemo (NeMo 2.0's progress printer): `Training epoch 0, iteration 8/29 | lr: ... |
+  global_batch_size: 128 | global_step: 8 | reduced_train_loss: ... | train_step_timing in s:
+  26.93`, memory as Megatron-Bridge's GB report. Not a Megatron line, though both say
+  "iteration k/N |": a Megatron line goes on with `consumed samples:`.
+
+Normalization: time per optimizer step; tokens/s global (global batch x sequence length / step
+time where the shape is known); a step printed by several ranks is one step, with the slowest
+rank's time and the largest memory; values averaged over a log interval longer than one step
+are flagged (`interval_steps`); non-finite or negative values and 0 TFLOP/s or MFU are unknown
+(None). `ParsedLog.derivations` says, in words, what was derived and how. Pure Python.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+from moe_perf.common.contract import parse_env, parse_step
+
+FORMATS = ("contract", "torchtitan", "megatron", "nemo")
+METRIC_KEYS = ("step_time_s", "tokens_per_s", "peak_mem_gib", "loss", "tflops", "mfu")
+# Named groups a user's regex may use: `step`, and step time or tokens/s, the rest optional.
+REGEX_GROUPS = (
+    "step",
+    "max_steps",
+    "step_time_s",
+    "step_time_ms",
+    "tokens_per_s",
+    "tokens_per_s_device",
+    "memory",
+    "memory_unit",
+    "loss",
+    "tflops",
+    "mfu",
+)
+_REGEX_TIMING = ("step_time_s", "step_time_ms", "tokens_per_s", "tokens_per_s_device")
+_GIB_PER_UNIT = {
+    "gib": 1.0,
+    "gb": 1e9 / 2**30,
+    "mib": 1 / 1024,
+    "mb": 1e6 / 2**30,
+    "kib": 1 / 2**20,
+    "kb": 1e3 / 2**30,
+    "b": 1 / 2**30,
+}
+
+# ---- one line --------------------------------------------------------------------------------
+
+# Colour codes, with their ESC byte or without it (a copy-pasted log): `[31m`, `[38;2;54;234;195m`.
+# Without ESC at least one digit is required, so `[moe_perf]` is not mistaken for one.
+_ANSI_RE = re.compile(r"\x1b\[[0-9;]*m|\[\d[0-9;]*m")
+# `srun --label` puts `N: ` first; torchrun --tee puts `[rankN]:` or `[defaultN]:`.
+_PREFIX_RE = re.compile(r"^\s*(?:\d+:\s)?\s*(?:\[(?:rank|default)(\d+)\]:)?")
+_NUM = r"([-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?(?:nan|inf)|N/A)"
+_TIMESTAMP_RE = re.compile(r"(\d{4}-\d{2}-\d{2})[ T](\d{2}:\d{2}:\d{2})(?:[,.](\d{1,6}))?")
+
+_TITAN_STEP_RE = re.compile(r"\bstep:\s*(\d+)\s+loss:")
+_TITAN_VALIDATE_RE = re.compile(r"\bvalidate step:")
+_TITAN_FIELDS = {
+    "loss": re.compile(r"\bloss:\s*" + _NUM),
+    "peak_mem_gib": re.compile(r"\bmemory:\s*" + _NUM + r"\s*GiB"),
+    "tokens_per_s_device": re.compile(r"\b[tw]ps:\s*" + _NUM),
+    "tflops": re.compile(r"\btflops:\s*" + _NUM),
+    "mfu": re.compile(r"\bmfu:\s*" + _NUM),
+}
+
+_MEGATRON_STEP_RE = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|\s*consumed samples:")
+_MEGATRON_FIELDS = {
+    "step_time_ms": re.compile(r"elapsed time per iteration \(ms\):\s*" + _NUM),
+    "tflops": re.compile(r"throughput per GPU \(TFLOP/s/GPU\):\s*" + _NUM),
+    "loss": re.compile(r"\blm loss:\s*" + _NUM),
+    "global_batch": re.compile(r"global batch size:\s*" + _NUM),
+    "skipped": re.compile(r"number of skipped iterations:\s*" + _NUM),
+}
+_MEMORY_MIB_RE = re.compile(r"memory \(MB\).*?\|\s*max reserved:\s*" + _NUM)
+_MEMORY_GB_RE = re.compile(r"mem-max-reserved-gigabytes:\s*" + _NUM)
+
+_NEMO_STEP_RE = re.compile(r"\bTraining epoch\s+\d+,\s*iteration\s+(\d+)\s*/\s*(\d+)")
+_NEMO_FIELD_RE = re.compile(r"\|\s*([^|:]+?)\s*:\s*([^|\s]+)")
+
+
+def clean(line: str) -> tuple[int | None, str]:
+    """(torchrun local rank or None, the line without colour codes and launcher prefixes)."""
+    text = _ANSI_RE.sub("", line.rstrip("\r\n"))
+    match = _PREFIX_RE.match(text)
+    rank = int(match.group(1)) if match.group(1) is not None else None
+    return rank, text[match.end() :]
+
+
+def _number(text: str | None) -> float | None:
+    if text is None or text == "N/A":
+        return None
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def _search(pattern: re.Pattern, text: str) -> float | None:
+    match = pattern.search(text)
+    return _number(match.group(1)) if match else None
+
+
+def _timestamp(text: str) -> float | None:
+    """Seconds of the line's `YYYY-MM-DD HH:MM:SS[,mmm]` timestamp (for differences only)."""
+    match = _TIMESTAMP_RE.search(text)
+    if not match:
+        return None
+    day, clock, fraction = match.groups()
+    try:
+        when = datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S")
+    except ValueError:
+        return None
+    return when.timestamp() + (float(f"0.{fraction}") if fraction else 0.0)
+
+
+def memory_gib(text: str) -> float | None:
+    """Peak reserved memory (GiB) of a Megatron (MiB) or Megatron-Bridge (GB) memory report."""
+    mib = _search(_MEMORY_MIB_RE, text)
+    if mib is not None:
+        return mib / 1024.0
+    gb = _search(_MEMORY_GB_RE, text)
+    return None if gb is None else gb * _GIB_PER_UNIT["gb"]
+
+
+def torchtitan_line(text: str) -> dict | None:
+    if _TITAN_VALIDATE_RE.search(text):
+        return None
+    match = _TITAN_STEP_RE.search(text)
+    if not match:
+        return None
+    raw = {"step": int(match.group(1)), "timestamp": _timestamp(text)}
+    for key, pattern in _TITAN_FIELDS.items():
+        raw[key] = _search(pattern, text)
+    if raw["mfu"] is not None:
+        raw["mfu"] /= 100.0  # printed in percent; the contract holds a fraction
+    return raw
+
+
+def megatron_line(text: str) -> dict | None:
+    match = _MEGATRON_STEP_RE.search(text)
+    if not match:
+        return None
+    raw = {
+        "step": int(match.group(1)),
+        "max_steps": int(match.group(2)),
+        "timestamp": _timestamp(text),
+    }
+    for key, pattern in _MEGATRON_FIELDS.items():
+        raw[key] = _search(pattern, text)
+    ms = raw.pop("step_time_ms")
+    raw["step_time_s"] = None if ms is None else ms / 1000.0
+    return raw
+
+
+def nemo_line(text: str) -> dict | None:
+    """A NeMo progress line; `step` is the iteration as printed (0-based in NeMo 2.0 releases
+    that print `global_step`; `_NemoSteps` numbers them from 1)."""
+    match = _NEMO_STEP_RE.search(text)
+    if not match:
+        return None
+    fields = {k.strip().lower(): v for k, v in _NEMO_FIELD_RE.findall(text[match.end() :])}
+    tflops = next((v for k, v in fields.items() if k.startswith("tflops")), None)
+    global_step = _number(fields.get("global_step"))
+    return {
+        "step": int(match.group(1)),
+        "max_steps": int(match.group(2)),
+        "global_step": None if global_step is None else int(global_step),
+        "timestamp": _timestamp(text),
+        "step_time_s": _number(fields.get("train_step_timing in s")),
+        "global_batch": _number(fields.get("global_batch_size")),
+        "loss": _number(fields.get("reduced_train_loss")),
+        "tflops": _number(tflops),
+    }
+
+
+def contract_line(text: str) -> dict | None:
+    return parse_step(text)
+
+
+class RegexFormat:
+    """A user's format: a regex with named groups from REGEX_GROUPS (`memory_unit`: GiB, GB, MiB,
+    MB; GiB when the group is absent; MB and GB are decimal)."""
+
+    def __init__(self, spec: str):
+        try:
+            self.pattern = re.compile(spec)
+        except re.error as err:
+            raise ValueError(f"log format {spec!r} is not a regular expression ({err})") from None
+        groups = set(self.pattern.groupindex)
+        unknown = sorted(groups - set(REGEX_GROUPS))
+        if unknown:
+            raise ValueError(
+                f"log format regex: unknown group(s) {', '.join(unknown)}; "
+                f"named groups are {', '.join(REGEX_GROUPS)}"
+            )
+        if "step" not in groups or not groups & set(_REGEX_TIMING):
+            raise ValueError(
+                f"log format regex needs (?P<step>...) and one of "
+                f"{', '.join(f'(?P<{g}>...)' for g in _REGEX_TIMING)}"
+            )
+
+    def __call__(self, text: str) -> dict | None:
+        match = self.pattern.search(text)
+        if not match:
+            return None
+        values = match.groupdict()
+        try:
+            step = int(values["step"])
+        except (TypeError, ValueError):
+            return None
+        raw = {"step": step, "timestamp": _timestamp(text)}
+        if values.get("max_steps"):
+            raw["max_steps"] = int(values["max_steps"])
+        for key in ("step_time_s", "tokens_per_s", "tokens_per_s_device", "loss", "tflops", "mfu"):
+            raw[key] = _number(values.get(key))
+        ms = _number(values.get("step_time_ms"))
+        if raw["step_time_s"] is None and ms is not None:
+            raw["step_time_s"] = ms / 1000.0
+        memory = _number(values.get("memory"))
+        unit = (values.get("memory_unit") or "GiB").strip().lower()
+        if memory is not None and unit in _GIB_PER_UNIT:
+            raw["peak_mem_gib"] = memory * _GIB_PER_UNIT[unit]
+        return raw
+
+
+def line_parser(log_format: str):
+    """The function reading one cleaned line of this format into a raw step dict, or None.
+    Raises ValueError for a format that is neither a known name nor a usable regex."""
+    named = {
+        "contract": contract_line,
+        "torchtitan": torchtitan_line,
+        "megatron": megatron_line,
+        "nemo": nemo_line,
+    }
+    if log_format in named:
+        return named[log_format]
+    return RegexFormat(log_format)
+
+
+def detect_format(lines: Iterable[str]) -> str | None:
+    """The format whose step lines are most numerous in these lines (contract wins ties)."""
+    counts = dict.fromkeys(FORMATS, 0)
+    parsers = {name: line_parser(name) for name in FORMATS}
+    for line in lines:
+        _, text = clean(line)
+        for name, parse in parsers.items():
+            if parse(text) is not None:
+                counts[name] += 1
+    best = max(FORMATS, key=lambda name: counts[name])  # first of the maxima: contract first
+    return best if counts[best] else None
+
+
+# ---- steps -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the run's shape says, where known: global tokens per step and the device count."""
+
+    global_batch: int | None = None
+    seq_length: int | None = None
+    world_size: int | None = None
+
+    @classmethod
+    def of_config(cls, cfg) -> RunShape:
+        """From a composed (or resolved) config: training.{global_batch,sequence_length}, mesh."""
+        world = int(cfg["mesh"]["nnodes"]) * int(cfg["mesh"]["nproc_per_node"])
+        training = cfg["training"]
+        return cls(int(training["global_batch"]), int(training["sequence_length"]), world)
+
+    def tokens_per_step(self, line_batch: float | None = None) -> float | None:
+        batch = self.global_batch or line_batch
+        return batch * self.seq_length if batch and self.seq_length else None
+
+
+def _known(value: float | None) -> float | None:
+    """Non-finite and negative values are unknown, never results."""
+    if value is None or not math.isfinite(value) or value < 0:
+        return None
+    return value
+
+
+def _positive(value: float | None) -> float | None:
+    """0 TFLOP/s, 0 MFU, a 0 s step: not computed, so unknown."""
+    value = _known(value)
+    return value if value else None
+
+
+def _combine(raws: list[dict]) -> dict:
+    """One step printed by several ranks (or repeated): the slowest rank's time and throughput,
+    the largest memory, the first loss that is a loss (non-last pipeline stages print none)."""
+
+    def pick(key, choose):
+        values = [v for v in (_known(r.get(key)) for r in raws) if v is not None]
+        return choose(values) if values else None
+
+    first = raws[0]
+    return {
+        "step": first["step"],
+        "max_steps": first.get("max_steps"),
+        "timestamp": pick("timestamp", max),
+        "step_time_s": _positive(pick("step_time_s", max)),
+        "tokens_per_s": _positive(pick("tokens_per_s", min)),
+        "tokens_per_s_device": _positive(pick("tokens_per_s_device", min)),
+        "peak_mem_gib": pick("peak_mem_gib", max),
+        "loss": pick("loss", lambda v: v[0]),
+        "tflops": _positive(pick("tflops", min)),
+        "mfu": _positive(pick("mfu", min)),
+        "global_batch": pick("global_batch", lambda v: v[0]),
+        "skipped": pick("skipped", max),
+        "ranks": len(raws),
+    }
+
+
+@dataclass
+class ParsedLog:
+    log_format: str
+    steps: list[dict]  # normalized samples (STEP keys, max_steps, interval_steps where > 1)
+    derivations: list[str] = field(default_factory=list)
+    env: dict | None = None
+    skipped_steps: list[int] = field(default_factory=list)
+    steps_reported: int = 0  # step numbers printed, skipped ones included
+
+    def failure(self, max_steps: int) -> str | None:
+        """Why this log cannot stand as an arm's result, or None."""
+        if not self.steps_reported:
+            if self.log_format == "contract":
+                return "no metrics: the trainer printed no '[moe_perf] step=' lines"
+            return f"no metrics: the trainer printed no step lines of {self.describe()}"
+        if not any(s.get("step_time_s") is not None for s in self.steps):
+            return f"no step time in the trainer's {self.describe()} lines: " + "; ".join(
+                self.derivations
+            )
+        if self.steps_reported < max_steps:
+            return f"only {self.steps_reported} of {max_steps} steps reported"
+        return None
+
+    def describe(self) -> str:
+        if self.log_format in FORMATS:
+            return f"log format {self.log_format}"
+        return f"log format regex {self.log_format!r}"
+
+
+class LogReader:
+    """Reads a trainer's output line by line (every rank's, prefixes included) in one format;
+    `feed` gives a sample per new step for progress, `result()` the normalized steps."""
+
+    def __init__(self, log_format: str, shape: RunShape | None = None):
+        self.log_format = log_format
+        self.shape = shape or RunShape()
+        self._parse = line_parser(log_format)
+        self._raws: dict[int, list[dict]] = {}
+        self._memory: list[float] = []
+        self._validation_lines = 0
+        self._nemo_offset: int | None = None
+        self.env: dict | None = None
+        self.step_line = False
+
+    def feed(self, line: str) -> dict | None:
+        """The sample to show for this line, or None; `step_line` says whether it was a step's
+        line (a later rank's line of a step already shown gives None, but is one)."""
+        rank, text = clean(line)
+        if self.log_format == "contract":
+            sample = self._feed_contract(rank, text)
+            self.step_line = sample is not None
+            return sample
+        env = parse_env(text)
+        if env is not None:
+            self.env = env
+        raw = self._parse(text)
+        self.step_line = raw is not None
+        if raw is None:
+            self._note_other(text)
+            return None
+        if self.log_format == "nemo":
+            raw["step"] = self._nemo_step(raw)
+        new = raw["step"] not in self._raws
+        self._raws.setdefault(raw["step"], []).append(raw)
+        if not new:
+            return None
+        previous = max((k for k in self._raws if k < raw["step"]), default=None)
+        prev = _combine(self._raws[previous]) if previous is not None else None
+        return self._normalize(_combine([raw]), prev, set())
+
+    def _feed_contract(self, rank: int | None, text: str) -> dict | None:
+        if rank not in (None, 0):
+            return None  # the contract is printed by one rank; others are console.log only
+        sample = parse_step(text)
+        if sample is None:
+            env = parse_env(text)
+            if env is not None:
+                self.env = env
+            return None
+        for key in METRIC_KEYS:
+            if key in sample:
+                unknown_if_zero = key in ("tflops", "mfu")
+                sample[key] = (_positive if unknown_if_zero else _known)(sample[key])
+        self._raws[sample["step"]] = [sample]  # a repeated step keeps its last line
+        return sample
+
+    def _note_other(self, text: str) -> None:
+        if self.log_format in ("megatron", "nemo"):
+            gib = memory_gib(text)
+            if gib is not None:
+                self._memory.append(gib)
+        if self.log_format == "torchtitan" and _TITAN_VALIDATE_RE.search(text):
+            self._validation_lines += 1
+
+    def _nemo_step(self, raw: dict) -> int:
+        # NeMo's global_step counts from 0; so does `iteration` in the releases that print it
+        if raw.get("global_step") is not None:
+            return raw["global_step"] + 1
+        if self._nemo_offset is None:
+            self._nemo_offset = 1 if raw["step"] == 0 else 0
+        return raw["step"] + self._nemo_offset
+
+    # -- normalization --
+
+    def _normalize(self, cur: dict, prev: dict | None, used: set[str]) -> dict:
+        """The contract sample of one combined step; `used` collects the derivations applied."""
+        shape = self.shape
+        tokens = shape.tokens_per_step(cur.get("global_batch"))
+        world = shape.world_size
+        step_time, tps = cur["step_time_s"], cur["tokens_per_s"]
+        tps_device = cur["tokens_per_s_device"]
+        if step_time is None and tps_device and tokens and world:
+            step_time = tokens / world / tps_device
+            used.add("time_from_device_tps")
+        elif step_time is None and tps and tokens:
+            step_time = tokens / tps
+            used.add("time_from_tps")
+        elif step_time is None and prev is not None and cur["timestamp"] and prev["timestamp"]:
+            delta = cur["timestamp"] - prev["timestamp"]
+            step_time = _positive(delta / (cur["step"] - prev["step"]))
+            used.add("time_from_timestamps")
+        if tps is None and tokens and step_time:
+            tps = tokens / step_time
+            used.add("tps_from_shape")
+        elif tps is None and tps_device and world:
+            tps = tps_device * world
+            used.add("tps_from_device")
+        sample = {
+            "step": cur["step"],
+            "max_steps": cur.get("max_steps"),
+            "step_time_s": step_time,
+            "tokens_per_s": tps,
+        }
+        for key in ("peak_mem_gib", "loss", "tflops", "mfu"):
+            sample[key] = cur[key]
+        if tps is None and tps_device is not None:
+            sample["tokens_per_s_device"] = tps_device
+        return sample
+
+    def result(self) -> ParsedLog:
+        if self.log_format == "contract":
+            steps = [self._raws[k][0] for k in sorted(self._raws)]
+            return ParsedLog("contract", steps, [], self.env, [], len(steps))
+        used: set[str] = set()
+        combined = [_combine(self._raws[k]) for k in sorted(self._raws)]
+        skipped = [c["step"] for c in combined if c["skipped"]]
+        steps, prev = [], None
+        for cur in combined:
+            sample = self._normalize(cur, prev, used)
+            interval = cur["step"] - prev["step"] if prev is not None else 1
+            if interval > 1:
+                sample["interval_steps"] = interval
+            if cur["skipped"]:
+                sample["skipped_iterations"] = int(cur["skipped"])
+            else:
+                steps.append(sample)
+            prev = cur
+        if self._memory:
+            # a run-level report (after iterations 1 and 2, say), not per step: every step gets it
+            peak = max(self._memory)
+            for sample in steps:
+                sample["peak_mem_gib"] = max(peak, sample["peak_mem_gib"] or 0.0)
+            used.add("memory_reports")
+        derivations = self._derivations(used, combined, steps, skipped)
+        return ParsedLog(self.log_format, steps, derivations, self.env, skipped, len(combined))
+
+    def _derivations(
+        self, used: set[str], combined: list[dict], steps: list[dict], skipped: list[int]
+    ) -> list[str]:
+        shape, notes = self.shape, []
+        tokens = shape.tokens_per_step(
+            next((c["global_batch"] for c in combined if c["global_batch"]), None)
+        )
+        if "time_from_device_tps" in used:
+            notes.append(
+                f"step_time_s = global batch x sequence length / world / tps = "
+                f"{tokens:g} / {shape.world_size} / tps (torchtitan's tps is tokens/s per device)"
+            )
+        if "time_from_tps" in used:
+            notes.append(f"step_time_s = {tokens:g} tokens per step / tokens_per_s")
+        if "time_from_timestamps" in used:
+            notes.append(
+                "step_time_s derived from the lines' timestamps (delta time / delta "
+                "step); the first step has none"
+            )
+        if "tps_from_shape" in used:
+            notes.append(
+                f"tokens_per_s = global batch x sequence length / step time = "
+                f"{tokens:g} / step_time_s (global)"
+            )
+        if "tps_from_device" in used:
+            notes.append(f"tokens_per_s = per-device tps x world ({shape.world_size}) (global)")
+        if any(s["tokens_per_s"] is None for s in steps):
+            notes.append(
+                "tokens_per_s unknown where the per-device figure cannot be made "
+                "global: give the global batch, sequence length and world size"
+            )
+        if any(s["step_time_s"] is None for s in steps[1:]):
+            notes.append(
+                "step time unknown for some steps: no step time, tokens/s with a known "
+                "shape, or timestamps on the lines"
+            )
+        if any(c["ranks"] > 1 for c in combined):
+            notes.append(
+                "steps printed by several ranks: the slowest rank's step time, the "
+                "largest memory over ranks"
+            )
+        intervals = sorted({s["interval_steps"] for s in steps if "interval_steps" in s})
+        if intervals:
+            notes.append(
+                f"values averaged over log intervals of {', '.join(map(str, intervals))} "
+                f"steps (interval_steps): log every step for per-step figures"
+            )
+        if skipped:
+            notes.append(
+                f"skipped iterations (no update, loss-scale overflow) not counted: "
+                f"step(s) {', '.join(map(str, skipped))}"
+            )
+        if "memory_reports" in used:
+            notes.append(
+                "peak_mem_gib: the largest memory report of the run (max reserved), "
+                "given to every step"
+            )
+        if self._validation_lines:
+            notes.append(f"{self._validation_lines} `validate step:` line(s) ignored (evaluation)")
+        return notes
+
+
+# ---- whole logs ------------------------------------------------------------------------------
+
+
+def parse_lines(
+    lines: Iterable[str], log_format: str = "auto", shape: RunShape | None = None
+) -> ParsedLog:
+    """The normalized steps of these lines; `auto` detects the format (contract when none)."""
+    lines = list(lines)
+    if log_format == "auto":
+        log_format = detect_format(lines) or "contract"
+    reader = LogReader(log_format, shape)
+    for line in lines:
+        reader.feed(line)
+    return reader.result()
+
+
+def parse_log(
+    path: Path | str, log_format: str = "auto", shape: RunShape | None = None
+) -> ParsedLog:
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    return parse_lines(text.splitlines(), log_format, shape)

@@ -1,0 +1,344 @@
+"""Every log format and variant moe_perf reads, in the lines the frameworks really print (their
+own format strings: torchtitan's metrics.py, Megatron-LM's training_log and report_memory,
+Megatron-Bridge's memory report, NeMo 2.0's progress printer), and the compare CLI on them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe_perf.common.contract import format_step
+from moe_perf.report.logformats import (
+    LogReader,
+    RunShape,
+    clean,
+    detect_format,
+    line_parser,
+    parse_lines,
+)
+
+ESC = "\x1b"
+# torchtitan's colours: red, green, orange (24-bit), turquoise (24-bit), blue, cyan, magenta
+RED, GREEN, ORANGE = f"{ESC}[31m", f"{ESC}[32m", f"{ESC}[38;2;180;60;0m"
+TURQUOISE, BLUE, CYAN, MAGENTA, RESET = (
+    f"{ESC}[38;2;54;234;195m", f"{ESC}[34m", f"{ESC}[36m", f"{ESC}[35m", f"{ESC}[39m",
+)  # fmt: skip
+
+
+def titan(step: int, tps: int, *, second: float = 0.0, memory: float = 4.26,
+          tflops: str = "39.59", mfu: str = "N/A", prefix: str = "[rank0]:") -> str:  # fmt: skip
+    """A torchtitan 0.3 step line as its logger prints it (timestamp, colours)."""
+    stamp = f"2026-07-17 12:05:{int(second):02d},{int(second % 1 * 1000):03d}"
+    return (
+        f"{prefix}[titan] {stamp} - root - INFO - {RED}step: {step:2}  {GREEN}loss:  6.09081  "
+        f"{ORANGE}grad_norm:  4.2098  {TURQUOISE}memory: {memory:5.2f}GiB(2.39%)  "
+        f"{BLUE}tps: {tps:,}  {CYAN}tflops: {tflops}  {MAGENTA}mfu: {mfu}{RESET}"
+    )
+
+
+def titan_2024(step: int, wps: int, second: float) -> str:
+    """torchtitan of spring 2024: `wps:`, no grad_norm or tflops, no `[titan]` tag."""
+    return (
+        f"2024-04-10 10:50:{int(second):02d},{int(second % 1 * 1000):03d} - root - INFO - "
+        f"{ESC}[36mstep: {step:2}  {ESC}[32mloss: 10.8423  {ESC}[33mmemory: 20.50GiB(25.91%)  "
+        f"{ESC}[34mwps: {wps:,}  {ESC}[35mmfu: 31.20%{ESC}[39m"
+    )
+
+
+def titan_validate(step: int) -> str:
+    return (
+        f"[rank0]:[titan] 2026-07-17 12:06:00,000 - root - INFO - {ESC}[33mvalidate step: "
+        f"{step:2}  {GREEN}loss:  7.1234  {TURQUOISE}memory: 30.00GiB(9.00%)  {BLUE}tps: 999{RESET}"
+    )
+
+
+def megatron(step: int, ms: float, *, skipped: int = 0, total: int = 100, gbs: int = 128) -> str:
+    return (
+        f" [2024-04-06 02:59:{step:02d}] iteration {step:8d}/{total:8d} | consumed samples: "
+        f"{step * gbs:12d} | elapsed time per iteration (ms): {ms:.1f} | throughput per GPU "
+        f"(TFLOP/s/GPU): 239.8 | learning rate: 8.600000E-06 | global batch size: {gbs:5d} | "
+        f"lm loss: 1.825991E+00 | loss scale: 1.0 | grad norm: 0.456 | number of skipped "
+        f"iterations: {skipped:3d} | number of nan iterations:   0 |"
+    )
+
+
+def megatron_memory(rank: int, max_reserved_mb: float) -> str:
+    return (
+        f"[Rank {rank}] (after 2 iterations) memory (MB) | allocated: 30000.50 | max allocated: "
+        f"40000.00 | reserved: 45000.00 | max reserved: {max_reserved_mb:.2f}"
+    )
+
+
+def nemo(iteration: int, seconds: float, total: int = 29) -> str:
+    return (
+        f"Training epoch 0, iteration {iteration}/{total} | lr: 1.35e-06 | global_batch_size: 128 "
+        f"| global_step: {iteration} | reduced_train_loss: 11.03 | train_step_timing in s: "
+        f"{seconds} | consumed_samples: {(iteration + 1) * 128}"
+    )
+
+
+NEMO_MEMORY = (
+    "[Rank 0] (after 2 iterations) memory (GB) | mem-allocated-gigabytes: 120.5 | "
+    "mem-max-allocated-gigabytes: 190.2 | mem-max-reserved-gigabytes: 216.89"
+)
+SHAPE = RunShape(global_batch=32, seq_length=2048, world_size=8)
+
+
+# ---- torchtitan ------------------------------------------------------------------------------
+
+
+def test_titan_line_fields_with_colours_and_rank_prefix():
+    (first, second) = parse_lines(
+        [titan(1, 8000, mfu="38.12%"), titan(2, 8192, second=1)], "torchtitan", SHAPE
+    ).steps
+    assert second["peak_mem_gib"] == pytest.approx(4.26)
+    assert second["loss"] == pytest.approx(6.09081)
+    assert second["tflops"] == pytest.approx(39.59)
+    assert first["mfu"] == pytest.approx(0.3812) and second["mfu"] is None  # N/A: unknown
+
+
+def test_titan_tps_is_per_device_even_under_pp():
+    # pp2 on 8 GPUs, global batch 32 x 2048: torchtitan divides its tps by cp x tp x pp, so each
+    # device's share is 32*2048/8 = 8192 tokens per step; local batch x seq is pp times more
+    parsed = parse_lines([titan(1, 4096), titan(2, 4096, second=2)], "torchtitan", SHAPE)
+    step = parsed.steps[1]
+    assert step["step_time_s"] == pytest.approx(32 * 2048 / 8 / 4096)  # 2.0 s
+    assert step["tokens_per_s"] == pytest.approx(4096 * 8)  # global
+    assert "tokens_per_s_device" not in step
+    assert any("per device" in d for d in parsed.derivations)
+
+
+def test_titan_without_shape_step_time_from_timestamps():
+    lines = [titan(k, 8192, second=10 + 1.25 * k) for k in range(1, 6)]
+    parsed = parse_lines(lines, "torchtitan")
+    assert parsed.steps[0]["step_time_s"] is None  # no line before it
+    assert [s["step_time_s"] for s in parsed.steps[1:]] == pytest.approx([1.25] * 4)
+    assert all(s["tokens_per_s"] is None for s in parsed.steps)  # per device: never shown global
+    assert parsed.steps[1]["tokens_per_s_device"] == 8192
+    assert any("timestamps" in d for d in parsed.derivations)
+    assert any("tokens_per_s unknown" in d for d in parsed.derivations)
+
+
+def test_titan_ansi_codes_without_their_esc_byte():
+    lines = [titan(k, 8192, second=k).replace(ESC, "") for k in range(1, 4)]
+    assert "[31mstep:" in lines[0]
+    parsed = parse_lines(lines)
+    assert parsed.log_format == "torchtitan"
+    assert [s["step"] for s in parsed.steps] == [1, 2, 3]
+    assert parsed.steps[2]["peak_mem_gib"] == pytest.approx(4.26)
+    # and the contract prefix is not mistaken for a colour code without ESC
+    assert clean("[moe_perf] step=1/2")[1] == "[moe_perf] step=1/2"
+
+
+def test_titan_2024_wps_lines():
+    lines = [titan_2024(k, 5000, second=2.0 * k) for k in range(1, 4)]
+    parsed = parse_lines(lines, "auto", RunShape(16, 2048, 4))
+    assert parsed.log_format == "torchtitan"
+    step = parsed.steps[1]
+    assert step["step_time_s"] == pytest.approx(16 * 2048 / 4 / 5000)
+    assert step["tokens_per_s"] == pytest.approx(5000 * 4)
+    assert step["mfu"] == pytest.approx(0.312) and step["tflops"] is None
+    assert step["peak_mem_gib"] == pytest.approx(20.5)
+
+
+def test_titan_validate_step_never_overwrites_a_training_step():
+    lines = [titan(1, 8000), titan(2, 8192, second=1), titan_validate(2), titan(3, 8192, second=2)]
+    parsed = parse_lines(lines, "torchtitan", SHAPE)
+    assert [s["step"] for s in parsed.steps] == [1, 2, 3]
+    assert parsed.steps[1]["loss"] == pytest.approx(6.09081)  # not the validation loss
+    assert parsed.steps[1]["peak_mem_gib"] == pytest.approx(4.26)  # nor its memory
+    assert any("validate step" in d for d in parsed.derivations)
+
+
+def test_titan_srun_task_prefix():
+    lines = [f"{k % 2}: " + titan(k, 8192, second=k, prefix="") for k in range(1, 4)]
+    parsed = parse_lines(lines, "auto", SHAPE)
+    assert parsed.log_format == "torchtitan" and len(parsed.steps) == 3
+
+
+def test_titan_every_rank_prints_its_own_line():
+    # no rank prefix; each rank's own memory and throughput; loss only on the last PP stage
+    lines = []
+    for step in (1, 2, 3):
+        lines.append(titan(step, 8192, second=step, memory=10.0, prefix=""))
+        lines.append(titan(step, 4096, second=step, memory=30.0 + step, prefix="")
+                     .replace("loss:  6.09081", "loss: -1.00000"))  # fmt: skip
+    parsed = parse_lines(lines, "torchtitan", SHAPE)
+    assert [s["step"] for s in parsed.steps] == [1, 2, 3]
+    step = parsed.steps[1]
+    assert step["peak_mem_gib"] == pytest.approx(32.0)  # max over ranks
+    assert step["step_time_s"] == pytest.approx(8192 / 4096)  # the slowest rank's
+    assert step["loss"] == pytest.approx(6.09081)  # a negative loss is no loss
+    assert any("several ranks" in d for d in parsed.derivations)
+
+
+def test_titan_zero_tflops_is_unknown_and_log_interval_is_flagged():
+    lines = [titan(1, 8192, tflops="0.00"), titan(10, 8192, second=9, tflops="0.00"),
+             titan(20, 8192, second=19, tflops="0.00")]  # fmt: skip
+    parsed = parse_lines(lines, "torchtitan")
+    assert all(s["tflops"] is None for s in parsed.steps)
+    assert [s.get("interval_steps") for s in parsed.steps] == [None, 9, 10]
+    assert [s["step_time_s"] for s in parsed.steps[1:]] == pytest.approx([1.0, 1.0])
+    assert any("averaged over log intervals" in d for d in parsed.derivations)
+
+
+# ---- Megatron-LM -----------------------------------------------------------------------------
+
+
+def test_megatron_lines_memory_over_ranks_and_tokens_from_the_shape():
+    lines = [megatron(1, 9000.0), megatron_memory(0, 46080.0), megatron_memory(4, 51200.0),
+             megatron(2, 5444.9), megatron(3, 5400.0)]  # fmt: skip
+    parsed = parse_lines(lines, "auto", RunShape(seq_length=4096))
+    assert parsed.log_format == "megatron"
+    step = parsed.steps[1]
+    assert step["step_time_s"] == pytest.approx(5.4449)
+    assert step["tflops"] == pytest.approx(239.8) and step["loss"] == pytest.approx(1.825991)
+    assert step["tokens_per_s"] == pytest.approx(128 * 4096 / 5.4449)
+    assert step["peak_mem_gib"] == pytest.approx(50.0)  # 51200 MiB, the larger rank's
+    assert step["max_steps"] == 100
+
+
+def test_megatron_skipped_iterations_are_flagged_and_not_counted():
+    lines = [megatron(1, 9000.0), megatron(2, 5000.0), megatron(3, 1200.0, skipped=1),
+             megatron(4, 5000.0)]  # fmt: skip
+    parsed = parse_lines(lines, "megatron", RunShape(seq_length=4096))
+    assert [s["step"] for s in parsed.steps] == [1, 2, 4]
+    assert parsed.skipped_steps == [3] and parsed.steps_reported == 4
+    assert any("skipped iterations" in d and "3" in d for d in parsed.derivations)
+
+
+def test_megatron_bridge_memory_in_decimal_gigabytes():
+    parsed = parse_lines([megatron(1, 900.0), NEMO_MEMORY, megatron(2, 800.0)], "megatron")
+    assert parsed.steps[1]["peak_mem_gib"] == pytest.approx(216.89e9 / 2**30)
+
+
+# ---- NeMo 2.0 / Megatron-Bridge --------------------------------------------------------------
+
+
+def test_nemo_lines_are_not_megatron_lines():
+    lines = [nemo(k, 26.93 + k / 100) for k in range(0, 4)] + [NEMO_MEMORY]
+    assert line_parser("megatron")(clean(lines[1])[1]) is None
+    assert detect_format(lines) == "nemo"
+    parsed = parse_lines(lines, "auto", RunShape(seq_length=4096))
+    assert [s["step"] for s in parsed.steps] == [1, 2, 3, 4]  # global_step counts from 0
+    step = parsed.steps[1]
+    assert step["step_time_s"] == pytest.approx(26.94)
+    assert step["tokens_per_s"] == pytest.approx(128 * 4096 / 26.94)
+    assert step["loss"] == pytest.approx(11.03)
+    assert step["peak_mem_gib"] == pytest.approx(216.89e9 / 2**30)  # GB, not GiB
+    # a Megatron reading of these lines finds no step at all, and says so
+    assert parse_lines(lines, "megatron").failure(4).startswith("no metrics")
+
+
+# ---- a user's regex, the contract, detection -------------------------------------------------
+
+
+def test_regex_format_with_units_and_derived_tokens():
+    spec = (r"it (?P<step>\d+) took (?P<step_time_ms>[\d.]+) ms mem (?P<memory>[\d.]+) "
+            r"(?P<memory_unit>MiB|GB) loss (?P<loss>[\d.]+)")  # fmt: skip
+    lines = ["it 1 took 900 ms mem 2048 MiB loss 3.5", "it 2 took 500 ms mem 4 GB loss 3.4"]
+    parsed = parse_lines(lines, spec, RunShape(8, 512, 2))
+    assert parsed.steps[0]["peak_mem_gib"] == pytest.approx(2.0)
+    assert parsed.steps[1]["peak_mem_gib"] == pytest.approx(4e9 / 2**30)
+    assert parsed.steps[1]["step_time_s"] == pytest.approx(0.5)
+    assert parsed.steps[1]["tokens_per_s"] == pytest.approx(8 * 512 / 0.5)
+    with pytest.raises(ValueError, match="needs"):
+        line_parser(r"step (?P<step>\d+)")
+    with pytest.raises(ValueError, match="unknown group"):
+        line_parser(r"(?P<step>\d+) (?P<tps>\d+)")
+    with pytest.raises(ValueError, match="not a regular expression"):
+        line_parser(r"(?P<step>\d+")
+
+
+def test_non_finite_and_negative_values_are_never_results():
+    spec = r"step (?P<step>\d+) t=(?P<step_time_s>\S+) tok=(?P<tokens_per_s>\S+)"
+    parsed = parse_lines(["step 1 t=nan tok=-5", "step 2 t=inf tok=100"], spec)
+    assert all(s["step_time_s"] is None for s in parsed.steps)
+    assert parsed.steps[0]["tokens_per_s"] is None and parsed.steps[1]["tokens_per_s"] == 100
+    assert parsed.failure(2).startswith("no step time")
+
+
+def test_contract_reads_rank_zero_and_keeps_the_last_repeat():
+    def line(step, t):
+        return format_step(step, 3, step_time_s=t, tokens_per_s=1 / t, peak_mem_gib=1.0)
+
+    reader = LogReader("contract")
+    assert reader.feed("[rank0]:" + line(1, 0.5))["step"] == 1
+    assert reader.feed("[rank1]:" + line(1, 9.0)) is None  # other ranks: console.log only
+    reader.feed("[rank0]:" + line(2, 0.4))
+    reader.feed("[rank0]:" + line(2, 0.3))
+    parsed = reader.result()
+    assert [s["step_time_s"] for s in parsed.steps] == [0.5, 0.3]
+    assert parsed.derivations == [] and parsed.failure(3) == "only 2 of 3 steps reported"
+
+
+def test_detection_of_each_format():
+    assert detect_format([titan(1, 8192)]) == "torchtitan"
+    assert detect_format([megatron(1, 1.0)]) == "megatron"
+    assert detect_format([nemo(0, 1.0)]) == "nemo"
+    assert detect_format(["[rank0]:" + format_step(1, 2, step_time_s=1, tokens_per_s=1,
+                                                   peak_mem_gib=1)]) == "contract"  # fmt: skip
+    assert detect_format(["hello", "world"]) is None
+
+
+# ---- the compare CLI -------------------------------------------------------------------------
+
+
+def write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moe_perf.compare", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+
+def titan_log(path: Path, seconds_per_step: float) -> Path:
+    return write(path, [titan(k, 8192, second=1 + seconds_per_step * k) for k in range(1, 9)])
+
+
+def test_cli_titan_logs_without_hints_use_timestamps_and_say_so(tmp_path):
+    base = titan_log(tmp_path / "base.log", 0.5)
+    feat = titan_log(tmp_path / "feat.log", 0.55)
+    result = run_cli(str(base), str(feat))
+    assert result.returncode == 0, result.stderr
+    assert "(torchtitan)" in result.stdout and "timestamps" in result.stdout
+    assert "+10.00% (slower)" in result.stdout
+
+
+def test_cli_titan_logs_with_the_shape(tmp_path):
+    base = write(tmp_path / "base.log", [titan(k, 8000, second=k) for k in range(1, 9)])
+    feat = write(tmp_path / "feat.log", [titan(k, 7200, second=k) for k in range(1, 9)])
+    shape = ["--global-batch", "32", "--seq-length", "2048", "--world-size", "8"]
+    result = run_cli(str(base), str(feat), *shape)
+    assert result.returncode == 0, result.stderr
+    # 8000 -> 7200 tokens/s per device: step time +11.11%, (global) tokens/s -10%
+    assert "| +11.11% (slower) | -10.00% (slower) |" in result.stdout
+
+
+def test_cli_megatron_logs(tmp_path):
+    def log(ms: float) -> list[str]:
+        return [megatron(1, 9000.0), megatron_memory(0, 46080.0)] + [
+            megatron(k, ms) for k in range(2, 9)
+        ]
+
+    base = write(tmp_path / "base.log", log(5000.0))
+    feat = write(tmp_path / "feat.log", log(5250.0))
+    result = run_cli(str(base), str(feat), "--seq-length", "4096")
+    assert result.returncode == 0, result.stderr
+    assert "(megatron)" in result.stdout
+    assert "| +5.00% (slower) | -4.76% (slower) | +0.00% (same) |" in result.stdout
+
+
+def test_cli_refuses_logs_of_two_formats(tmp_path):
+    base = titan_log(tmp_path / "base.log", 0.5)
+    feat = write(tmp_path / "feat.log", [megatron(k, 500.0) for k in range(1, 9)])
+    result = run_cli(str(base), str(feat))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "torchtitan" in lines[0] and "megatron" in lines[0]
+    assert result.stdout == ""
