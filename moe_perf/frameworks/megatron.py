@@ -1,0 +1,167 @@
+"""`trainer=megatron`: Megatron-LM's `pretrain_gpt.py` in the user's Megatron-LM checkout.
+
+The architecture comes from the model preset, flag by flag (Megatron builds its GPT model from
+flags alone); the mesh, shapes and steps from the rest of the config; `--mock-data` so that no
+corpus is needed, and `--log-interval 1 --log-throughput` for one line per iteration.
+`trainer.extra_args` is appended last (argparse keeps the last value of a repeated flag).
+
+Where Megatron's GPT model cannot express a preset's feature (Qwen3.5's Gated DeltaNet, gpt-oss's
+sliding window and sinks) it runs what the reference trainer runs (the preset's
+`approximations`); DeepSeek-V2-Lite runs its real multi-latent attention, which Megatron has.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks.armcode import ArmCode, visible_gpus
+from moe_perf.frameworks.base import TrainerLaunch
+
+# Megatron's names for the presets' load-balancing losses (a forced balance makes them moot,
+# but an unforced run trains with them)
+LOAD_BALANCE = {"global-batch": "global_aux_loss", "sequence": "seq_aux_loss"}
+
+# DeepSeek-V2-Lite's multi-latent attention (public config.json: no q LoRA, kv_lora_rank 512,
+# qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128)
+MLA = {
+    "deepseek-v2-lite": [
+        "--multi-latent-attention", "--kv-lora-rank", "512", "--qk-head-dim", "128",
+        "--qk-pos-emb-head-dim", "64", "--v-head-dim", "128",
+    ],
+}  # fmt: skip
+
+
+def _num(value: Any) -> str:
+    """A float as Megatron's parser reads it: 1000000.0 -> 1000000, 0.25 -> 0.25."""
+    value = float(value)
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+def attention_flags(m: Any) -> list[str]:
+    if m.name in MLA:
+        return ["--num-attention-heads", str(m.num_heads), *MLA[m.name]]
+    flags = ["--num-attention-heads", str(m.num_heads), "--kv-channels", str(m.head_dim)]
+    if int(m.num_kv_heads) != int(m.num_heads):
+        flags += ["--group-query-attention", "--num-query-groups", str(m.num_kv_heads)]
+    if m.get("qk_norm"):
+        flags.append("--qk-layernorm")
+    return flags
+
+
+def moe_flags(m: Any) -> list[str]:
+    layers, dense = int(m.num_layers), min(int(m.get("dense_layers") or 0), int(m.num_layers))
+    flags = [
+        "--num-experts", str(m.num_experts),
+        "--moe-router-topk", str(m.top_k),
+        "--moe-ffn-hidden-size", str(m.expert_ffn),
+        "--moe-router-score-function", "sigmoid" if m.router == "sigmoid" else "softmax",
+        "--moe-router-load-balancing-type", LOAD_BALANCE.get(str(m.load_balance), "aux_loss"),
+        "--moe-aux-loss-coeff", _num(m.get("load_balance_coeff") or 0.0),
+        "--moe-grouped-gemm",
+        "--moe-token-dispatcher-type", "alltoall",
+    ]  # fmt: skip
+    if not m.get("norm_topk_prob", True):
+        # softmax over all experts, then top-k, no renormalisation (DeepSeek-V2)
+        flags.append("--moe-router-pre-softmax")
+    if int(m.get("num_shared_experts") or 0):
+        width = int(m.num_shared_experts) * int(m.shared_expert_ffn)
+        flags += ["--moe-shared-expert-intermediate-size", str(width)]
+        if m.get("shared_expert_gate"):
+            flags.append("--moe-shared-expert-gate")
+    if dense:  # the first `dense` layers are dense FFNs, the rest MoE
+        flags += ["--moe-layer-freq", f"([0]*{dense}+[1]*{layers - dense})"]
+    return flags
+
+
+def model_flags(m: Any, seq_len: int) -> list[str]:
+    dense_ffn = int(m.get("dense_ffn") or 0) or int(m.expert_ffn)
+    return [
+        "--num-layers", str(m.num_layers),
+        "--hidden-size", str(m.hidden),
+        "--ffn-hidden-size", str(dense_ffn),
+        *attention_flags(m),
+        *moe_flags(m),
+        "--position-embedding-type", "rope",
+        "--rotary-base", _num(m.rope_theta),
+        "--rotary-percent", _num(m.get("rope_fraction") or 1.0),
+        "--normalization", "RMSNorm",
+        "--norm-epsilon", _num(m.norm_eps),
+        "--swiglu",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--max-position-embeddings", str(seq_len),
+        # --mock-data with no tokenizer files: the vocabulary size alone sizes the embedding
+        "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(m.vocab_size),
+    ]  # fmt: skip
+
+
+def run_flags(cfg: Any) -> list[str]:
+    t, mesh = cfg.training, cfg.mesh
+    flags = [
+        "--tensor-model-parallel-size", "1",
+        "--pipeline-model-parallel-size", str(mesh.pp),
+        "--context-parallel-size", str(mesh.cp),
+        "--expert-model-parallel-size", str(mesh.ep),
+        "--seq-length", str(t.sequence_length),
+        "--global-batch-size", str(t.global_batch),
+        "--micro-batch-size", str(t.micro_batch),
+        "--train-iters", str(t.max_steps),
+        "--lr", _num(t.lr),
+        "--seed", str(t.seed),
+        "--mock-data",
+        "--log-interval", "1",
+        "--log-throughput",
+        # no evaluation between or after the timed iterations; nothing saved (no --save)
+        "--eval-iters", "0",
+        "--transformer-impl", str(cfg.trainer.get("transformer_impl") or "transformer_engine"),
+    ]  # fmt: skip
+    if t.benchmark:
+        # router logits replaced by fresh noise: balanced on average, not exactly
+        flags.append("--moe-router-force-load-balancing")
+    if cfg.dtype.name != "fp32":
+        flags.append("--bf16")
+    if cfg.dtype.fp8:
+        flags += ["--fp8-format", "hybrid"]
+    return flags
+
+
+def megatron_argv(cfg: Any) -> list[str]:
+    script = str(cfg.trainer.get("script") or "pretrain_gpt.py")
+    argv = [script, *model_flags(cfg.model, int(cfg.training.sequence_length)), *run_flags(cfg)]
+    return argv + [str(arg) for arg in cfg.trainer.get("extra_args") or []]
+
+
+class Megatron:
+    name = "megatron"
+
+    def check(self, cfg: Any, repo: Path) -> None:
+        code = ArmCode.at_ref(repo, str(cfg.arm.ref)) if cfg.arm.get("ref") else ArmCode(repo)
+        script = str(cfg.trainer.get("script") or "pretrain_gpt.py")
+        if not code.has(script) or not code.has("megatron/training/arguments.py"):
+            raise PrerequisiteError(
+                f"trainer=megatron: no {script} with megatron/training beside it at "
+                f"{code.where()}; run from a Megatron-LM checkout (the megatron-core wheel has "
+                f"no pretrain_gpt.py) or set repo=<its path> / trainer.script=<script>"
+            )
+        if cfg.dtype.fp8 and str(cfg.trainer.get("transformer_impl")) == "local":
+            raise PrerequisiteError(
+                "dtype=fp8 needs trainer.transformer_impl=transformer_engine (Megatron's fp8 is "
+                "Transformer Engine's)"
+            )
+
+    def check_host(self, cfg: Any) -> None:
+        want, have = int(cfg.mesh.nproc_per_node), visible_gpus()
+        if have < want:
+            raise PrerequisiteError(
+                f"trainer=megatron needs mesh.nproc_per_node={want} CUDA devices on this host; "
+                f"nvidia-smi lists {have}: run on a GPU machine or pick a smaller mesh"
+            )
+
+    def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
+        env = {str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()}
+        # Megatron asks for this when its tensor or sequence parallelism overlaps communication
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        return TrainerLaunch(argv=megatron_argv(cfg), env=env, log_format="megatron")

@@ -1,0 +1,235 @@
+"""trainer=torchtitan: the command line each arm gets, read back by torchtitan's own parser.
+
+The arm's code is a real torchtitan tree: the installed torchtitan package (its files decide
+the CLI, as a worktree's would), copied into a git repository for the checks that read a
+commit. torchtitan's ConfigManager (the installed version's) parses every generated command,
+for every model preset x mesh preset, and the parsed JobConfig must hold what the composed
+config says. torchtitan cannot train on CPU, so the run itself is a GPU check (bench/).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks.armcode import ArmCode
+from moe_perf.frameworks.torchtitan import (
+    MODELS,
+    OFFLINE_ENV,
+    REGISTRY_CLI,
+    TOML_CLI,
+    TorchTitan,
+    titan_cli,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+MESHES = sorted(p.stem for p in (ROOT / "conf" / "mesh").glob("*.yaml"))
+
+
+def composed(*overrides: str):
+    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
+        return compose("config", overrides=["trainer=torchtitan", *overrides])
+
+
+def installed_torchtitan() -> tuple[Path, str] | None:
+    """(the folder holding the installed `torchtitan` package, its CLI), or None."""
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or spec.origin is None:
+        return None
+    tree = Path(spec.origin).parent.parent
+    return tree, titan_cli(ArmCode(tree))
+
+
+INSTALLED = installed_torchtitan()
+needs_torchtitan = pytest.mark.skipif(
+    INSTALLED is None,
+    reason="torchtitan is not installed (pip install --no-deps torchtitan==0.2.2 tyro "
+    "docstring_parser typeguard): its own parser checks the command lines",
+)
+
+
+def titan_args(argv: list[str]) -> list[str]:
+    """torchtitan's flags: after `-m torchtitan.train`, or after our entry's `--`."""
+    if argv[:2] == ["-m", "torchtitan.train"]:
+        return argv[2:]
+    assert argv[:2] == ["-m", "moe_perf.titan_entry"], argv
+    return argv[argv.index("--") + 1 :]
+
+
+def entry_args(argv: list[str]) -> dict[str, str]:
+    ours = argv[2 : argv.index("--")]
+    out, i = {}, 0
+    while i < len(ours):
+        if i + 1 < len(ours) and not ours[i + 1].startswith("--"):
+            out[ours[i]], i = ours[i + 1], i + 2
+        else:
+            out[ours[i]], i = "", i + 1
+    return out
+
+
+def parse_with_torchtitan(args: list[str]):
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(list(args))
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_preset_command_is_accepted_by_torchtitans_own_parser(model, mesh, tmp_path):
+    tree, cli = INSTALLED
+    if cli != TOML_CLI:
+        pytest.skip(f"the installed torchtitan speaks the {cli} CLI; this checks 0.2's JobConfig")
+    cfg = composed(f"model={model}", f"mesh={mesh}", "model.num_layers=4")
+    launch = TorchTitan().launch(cfg, tmp_path / "arm", tmp_path / "arm/config.yaml", tree)
+    job = parse_with_torchtitan(titan_args(launch.argv))
+    m, t = cfg.mesh, cfg.training
+    dp = m.nnodes * m.nproc_per_node // (m.pp * m.cp)
+    p = job.parallelism
+    assert (p.pipeline_parallel_degree, p.context_parallel_degree, p.expert_parallel_degree) == (
+        m.pp, m.cp, m.ep)  # fmt: skip
+    assert (p.data_parallel_shard_degree, p.tensor_parallel_degree) == (-1, 1)
+    assert (job.training.seq_len, job.training.steps) == (t.sequence_length, t.max_steps)
+    assert job.training.global_batch_size == t.global_batch
+    assert job.training.local_batch_size == t.global_batch // dp
+    if m.pp > 1:
+        assert p.pipeline_parallel_microbatch_size == t.micro_batch
+    assert job.debug.moe_force_load_balance is True and job.debug.seed == t.seed
+    assert job.metrics.log_freq == 1 and job.checkpoint.enable is False
+    assert job.model.name == MODELS[model].name
+    # the cut depth reaches torchtitan as a derived flavor the entry registers
+    assert job.model.flavor == f"{MODELS[model].flavor}-4layers"
+    entry = entry_args(launch.argv)
+    assert entry == {"--cli": "0.2", "--model": MODELS[model].name,
+                     "--base": MODELS[model].flavor, "--as": job.model.flavor,
+                     "--num-layers": "4"}  # fmt: skip
+    assert job.model.hf_assets_path == "tests/assets/tokenizer"
+    assert (job.training.dataset, job.training.dataset_path) == ("c4_test", "tests/assets/c4_test")
+    assert job.job.dump_folder == str(tmp_path / "arm" / "torchtitan")
+    assert launch.log_format == "torchtitan"
+    assert OFFLINE_ENV.items() <= launch.env.items()
+
+
+@needs_torchtitan
+def test_full_depth_fp8_unbalanced_and_extra_args_reach_torchtitan(tmp_path):
+    tree, cli = INSTALLED
+    if cli != TOML_CLI:
+        pytest.skip(f"the installed torchtitan speaks the {cli} CLI")
+    cfg = composed(
+        "model=qwen3-30b-a3b", "mesh=ep8", "dtype=fp8", "training.benchmark=false",
+        "trainer.compile=true", "trainer.extra_args=[--training.steps,20,--compile.no-enable]",
+    )  # fmt: skip
+    launch = TorchTitan().launch(cfg, tmp_path, tmp_path / "config.yaml", tree)
+    assert launch.argv[:2] == ["-m", "torchtitan.train"]  # nothing to register at full depth
+    job = parse_with_torchtitan(titan_args(launch.argv))
+    assert job.model.flavor == "30B-A3B"
+    assert job.model.converters == ["quantize.linear.float8"]
+    assert job.debug.moe_force_load_balance is False
+    assert job.training.steps == 20 and job.compile.enable is False  # extra_args win
+
+
+def test_cli_is_read_from_the_arms_own_files(tmp_path):
+    with pytest.raises(PrerequisiteError, match="no torchtitan in .*run from a torchtitan"):
+        titan_cli(ArmCode(tmp_path))
+    (tmp_path / "torchtitan/config").mkdir(parents=True)
+    (tmp_path / "torchtitan/trainer.py").write_text("")
+    (tmp_path / "torchtitan/config/manager.py").write_text("")
+    assert titan_cli(ArmCode(tmp_path)) == REGISTRY_CLI
+    (tmp_path / "torchtitan/config/job_config.py").write_text("")
+    assert titan_cli(ArmCode(tmp_path)) == TOML_CLI
+
+
+def test_registry_cli_command_for_a_03_tree(tmp_path):
+    """0.3's --module/--config, a derived config for the cut depth and fp8 (its CLI has no
+    float8 flag), CUDA graphs off under PP; checked against 0.3's own parser when installed."""
+    for path in ("torchtitan/trainer.py", "torchtitan/config/manager.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    cfg = composed("model=deepseek-v2-lite", "mesh=pp2_ep4", "model.num_layers=4", "dtype=fp8")
+    launch = TorchTitan().launch(cfg, tmp_path / "arm", tmp_path / "c.yaml", tmp_path)
+    args = titan_args(launch.argv)
+    assert args[:4] == ["--module", "deepseek_v3", "--config", "deepseek_v3_16b_4layers_fp8"]
+    assert entry_args(launch.argv) == {"--cli": "0.3", "--model": "deepseek_v3",
+                                       "--base": "deepseek_v3_16b",
+                                       "--as": "deepseek_v3_16b_4layers_fp8",
+                                       "--num-layers": "4", "--float8": ""}  # fmt: skip
+    assert "--training.disable_cuda_graphs" in args
+    assert "--dataloader.dataset" in args and "--hf_assets_path" in args
+
+
+# --- preflight: the checks that read the arm's commit --------------------------------------
+
+
+@pytest.fixture
+def titan_repo(tmp_path):
+    """A git repository holding the installed torchtitan's code and local test assets."""
+    if INSTALLED is None:
+        pytest.skip("torchtitan is not installed: its code is the repository here")
+    repo = tmp_path / "torchtitan"
+    shutil.copytree(INSTALLED[0] / "torchtitan", repo / "torchtitan",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    (repo / "tests/assets/tokenizer").mkdir(parents=True)
+    (repo / "tests/assets/tokenizer/tokenizer.json").write_text("{}")
+    (repo / "tests/assets/c4_test").mkdir(parents=True)
+    (repo / "tests/assets/c4_test/data.json").write_text('{"text": "a b c"}\n')
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "titan"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True)
+    return repo
+
+
+def check(repo: Path, *overrides: str) -> None:
+    TorchTitan().check(composed("refs.base=main", "refs.feat=main", *overrides), repo)
+
+
+def test_check_passes_on_a_torchtitan_checkout(titan_repo):
+    check(titan_repo, "model=qwen3-30b-a3b", "mesh=ep8", "model.num_layers=4")
+    check(titan_repo, "model=deepseek-v2-lite", "mesh=pp2_ep8")  # deepseek_v3 pipelines in 0.2
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model=tiny"], r"model=tiny has no torchtitan flavor"),
+        (["model=qwen3-30b-a3b", "model.num_layers=60"], r"model.num_layers=60: .* 48 layers"),
+        (["model=qwen3.5-35b-a3b"], r"has no torchtitan/models/qwen3_5"),
+        (["model=qwen3-30b-a3b", "mesh=pp2_ep8"], r"mesh.pp=2: .*qwen3 .*does not support pipe"),
+        (["model=qwen3-30b-a3b", "trainer.tokenizer=assets/hf/Qwen3"], r"trainer.tokenizer="),
+        (["model=qwen3-30b-a3b", "trainer.dataset=c4", "trainer.dataset_path=null"],
+         r"trainer.dataset=c4 would be downloaded from the hub: set trainer.dataset_path"),
+        (["model=qwen3-30b-a3b", "trainer.dataset_path=/nonexistent/c4"],
+         r"trainer.dataset_path=/nonexistent/c4: no dataset there"),
+    ],
+)  # fmt: skip
+def test_check_names_the_setting_to_change(titan_repo, overrides, message):
+    with pytest.raises(PrerequisiteError, match=message):
+        check(titan_repo, *overrides)
+
+
+def test_check_reads_the_arms_commit_not_the_checkout(titan_repo):
+    """The feat branch lost its tokenizer: its arm is refused, though main still has it."""
+
+    def run(*args):
+        subprocess.run(["git", "-C", str(titan_repo), *args], check=True)
+
+    run("checkout", "-q", "-b", "feat")
+    run("rm", "-q", "-r", "tests/assets/tokenizer")
+    run("commit", "-q", "-m", "no tokenizer")
+    run("checkout", "-q", "main")
+    base = ["model=qwen3-30b-a3b", "refs.base=main", "refs.feat=feat"]
+    TorchTitan().check(composed(*base, "arm=base"), titan_repo)
+    with pytest.raises(PrerequisiteError, match=r"trainer.tokenizer=.*at feat in"):
+        TorchTitan().check(composed(*base, "arm=feat"), titan_repo)
+
+
+def test_check_host_counts_cuda_devices():
+    cfg = composed("model=qwen3-30b-a3b", "mesh=ep8")
+    if shutil.which("nvidia-smi"):
+        pytest.skip("this host has nvidia-smi; the no-GPU message is checked elsewhere")
+    with pytest.raises(PrerequisiteError, match=r"needs mesh.nproc_per_node=8 CUDA devices"):
+        TorchTitan().check_host(cfg)
