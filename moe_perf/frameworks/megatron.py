@@ -75,6 +75,13 @@ def moe_flags(m: Any) -> list[str]:
     return flags
 
 
+def rope_flags(m: Any) -> list[str]:
+    flags = ["--position-embedding-type", "rope", "--rotary-base", _num(m.rope_theta)]
+    if m.name not in MLA:  # MLA rotates its own qk_pos_emb_head_dim part of each head
+        flags += ["--rotary-percent", _num(m.get("rope_fraction") or 1.0)]
+    return flags
+
+
 def model_flags(m: Any, seq_len: int) -> list[str]:
     dense_ffn = int(m.get("dense_ffn") or 0) or int(m.expert_ffn)
     return [
@@ -83,9 +90,7 @@ def model_flags(m: Any, seq_len: int) -> list[str]:
         "--ffn-hidden-size", str(dense_ffn),
         *attention_flags(m),
         *moe_flags(m),
-        "--position-embedding-type", "rope",
-        "--rotary-base", _num(m.rope_theta),
-        "--rotary-percent", _num(m.get("rope_fraction") or 1.0),
+        *rope_flags(m),
         "--normalization", "RMSNorm",
         "--norm-epsilon", _num(m.norm_eps),
         "--swiglu",

@@ -1,0 +1,146 @@
+"""trainer=megatron: the command line each arm gets, read back by Megatron-LM's own parser.
+
+Megatron-LM's `megatron.training.arguments` parses every generated command (model preset x
+mesh preset) and then runs its own `validate_args` on it (world size, pipeline, expert and
+context arithmetic, MoE settings). Its CUDA device queries (compute capability for grouped
+GEMM, the architecture for context parallelism) are answered as an H200 would (sm90). Where
+`megatron.training` does not import (see the skip reason), the architecture of each preset is
+still checked flag by flag.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks.megatron import Megatron, megatron_argv
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml") if p.stem != "tiny")
+MESHES = sorted(p.stem for p in (ROOT / "conf" / "mesh").glob("*.yaml"))
+
+
+def composed(*overrides: str):
+    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
+        return compose("config", overrides=["trainer=megatron", *overrides])
+
+
+def megatron_arguments():
+    try:
+        import megatron.training.arguments as arguments
+    except ImportError as err:
+        return None, str(err)
+    return arguments, ""
+
+
+ARGUMENTS, WHY_NOT = megatron_arguments()
+needs_megatron = pytest.mark.skipif(
+    ARGUMENTS is None,
+    reason=f"megatron.training does not import ({WHY_NOT}): PyPI's megatron-core wheels for "
+    f"Python 3.11 (<= 0.16.1) hold only megatron/core, and those with megatron/training "
+    f"(>= 0.17) need Python >= 3.12; put a Megatron-LM checkout on PYTHONPATH to run this",
+)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@needs_megatron
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("model", MODELS)
+def test_every_preset_command_is_accepted_and_validated_by_megatron(
+    model, mesh, monkeypatch, tmp_path
+):
+    cfg = composed(f"model={model}", f"mesh={mesh}", "model.num_layers=4")
+    launch = Megatron().launch(cfg, tmp_path, tmp_path / "config.yaml", tmp_path)
+    argv = launch.argv
+    assert argv[0] == "pretrain_gpt.py"
+    for key, value in launch.env.items():  # the environment the arm adds
+        monkeypatch.setenv(key, value)
+    world = cfg.mesh.nnodes * cfg.mesh.nproc_per_node
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(sys, "argv", argv)
+    args = ARGUMENTS.parse_args()
+    m, t = cfg.model, cfg.training
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (
+        4, m.hidden, m.num_heads)  # fmt: skip
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (
+        m.num_experts, m.top_k, m.expert_ffn)  # fmt: skip
+    assert args.vocab_size == m.vocab_size
+    mesh = (args.pipeline_model_parallel_size, args.context_parallel_size)
+    assert mesh == (cfg.mesh.pp, cfg.mesh.cp)
+    assert args.expert_model_parallel_size == cfg.mesh.ep
+    assert (args.seq_length, args.global_batch_size, args.micro_batch_size, args.train_iters) == (
+        t.sequence_length, t.global_batch, t.micro_batch, t.max_steps)  # fmt: skip
+    assert args.moe_router_force_load_balancing and args.mock_data and args.log_throughput
+    assert args.log_interval == 1 and args.bf16
+    # validate_args asks the CUDA device for its architecture (grouped GEMM needs sm80+, CP's
+    # connection setting depends on it): answer for the H200 these commands are for
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    if hasattr(ARGUMENTS, "get_device_arch_version"):
+        monkeypatch.setattr(ARGUMENTS, "get_device_arch_version", lambda: 9)
+    ARGUMENTS.validate_args(args, {})
+    assert args.data_parallel_size == world // (cfg.mesh.pp * cfg.mesh.cp)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_architecture_comes_from_the_preset(model):
+    cfg = composed(f"model={model}")
+    argv, m = megatron_argv(cfg), cfg.model
+    assert flag(argv, "--num-layers") == str(m.num_layers)
+    assert flag(argv, "--hidden-size") == str(m.hidden)
+    assert flag(argv, "--num-experts") == str(m.num_experts)
+    assert flag(argv, "--moe-router-topk") == str(m.top_k)
+    assert flag(argv, "--moe-ffn-hidden-size") == str(m.expert_ffn)
+    assert flag(argv, "--vocab-size") == str(m.vocab_size)
+    assert float(flag(argv, "--rotary-base")) == m.rope_theta
+    if m.num_kv_heads != m.num_heads:
+        assert flag(argv, "--num-query-groups") == str(m.num_kv_heads)
+    assert ("--qk-layernorm" in argv) == bool(m.qk_norm)
+    if m.num_shared_experts:
+        width = m.num_shared_experts * m.shared_expert_ffn
+        assert flag(argv, "--moe-shared-expert-intermediate-size") == str(width)
+    if m.dense_layers:
+        dense, rest = m.dense_layers, m.num_layers - m.dense_layers
+        assert flag(argv, "--moe-layer-freq") == f"([0]*{dense}+[1]*{rest})"
+        assert flag(argv, "--ffn-hidden-size") == str(m.dense_ffn)
+    for required in ("--mock-data", "--log-throughput", "--moe-router-force-load-balancing"):
+        assert required in argv
+
+
+def test_mesh_shapes_fp8_and_extra_args():
+    cfg = composed("model=qwen3-30b-a3b", "mesh=pp2_ep4", "dtype=fp8", "training.benchmark=false",
+                   "trainer.extra_args=[--use-distributed-optimizer]")  # fmt: skip
+    argv = megatron_argv(cfg)
+    assert flag(argv, "--pipeline-model-parallel-size") == "2"
+    assert flag(argv, "--expert-model-parallel-size") == "4"
+    assert flag(argv, "--fp8-format") == "hybrid"
+    assert "--moe-router-force-load-balancing" not in argv
+    assert argv[-1] == "--use-distributed-optimizer"
+    launch = Megatron().launch(cfg, Path("arm"), Path("arm/config.yaml"), Path("wt"))
+    assert launch.log_format == "megatron" and launch.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+def test_check_needs_a_megatron_lm_checkout(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "megatron/training").mkdir(parents=True)
+    (repo / "megatron/training/arguments.py").write_text("")
+    for args in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-q", "-m", "m"]):
+        subprocess.run(["git", "-C", str(repo), *args], check=True)
+    cfg = composed("model=qwen3-30b-a3b", "refs.base=main", "refs.feat=main")
+    with pytest.raises(PrerequisiteError, match=r"no pretrain_gpt.py .*Megatron-LM checkout"):
+        Megatron().check(cfg, repo)
+    (repo / "pretrain_gpt.py").write_text("")
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    subprocess.run(["git", "-C", str(repo), "commit", "-q", "-m", "script"], check=True)
+    Megatron().check(cfg, repo)
