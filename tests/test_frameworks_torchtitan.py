@@ -233,3 +233,46 @@ def test_check_host_counts_cuda_devices():
         pytest.skip("this host has nvidia-smi; the no-GPU message is checked elsewhere")
     with pytest.raises(PrerequisiteError, match=r"needs mesh.nproc_per_node=8 CUDA devices"):
         TorchTitan().check_host(cfg)
+
+
+def test_trainer_torchtitan_and_megatron_are_registered():
+    from moe_perf import frameworks
+    from moe_perf.frameworks.megatron import Megatron
+
+    assert isinstance(frameworks.get(composed()), TorchTitan)
+    assert isinstance(frameworks.get(composed("trainer=megatron")), Megatron)
+
+
+def test_dry_run_prints_the_exact_command_from_the_arms_worktree(
+    titan_repo, tmp_path, capsys, monkeypatch
+):
+    from moe_perf import frameworks
+    from moe_perf.report.sweep import Sweep
+    from moe_perf.runner.dryrun import WORKTREE, check_host, preview_arm
+    from moe_perf.runner.job import Job
+
+    sha = subprocess.run(["git", "-C", str(titan_repo), "rev-parse", "HEAD"], check=True,
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    cfg = composed("model=qwen3-30b-a3b", "mesh=ep8", "model.num_layers=4",
+                   "refs.base=main", "refs.feat=main")  # fmt: skip
+    sweep = Sweep("s1", str(tmp_path / "sweep"), str(titan_repo), {"base": "main", "feat": "main"},
+                  {"base": sha, "feat": sha}, "now")  # fmt: skip
+    job = Job(arm_dir=tmp_path / "sweep/arm", sweep_dir=tmp_path / "sweep", cwd=titan_repo)
+    # independent of the registration, which the test above checks
+    monkeypatch.setitem(frameworks.FRAMEWORKS, "torchtitan", TorchTitan)
+    check_host(cfg, dry_run=True)  # no GPU here: a warning, not an error
+    plan = preview_arm(cfg, job, sweep, "base")
+    out = capsys.readouterr()
+    assert "torch.distributed.run" in plan["argv"][1:3]
+    assert plan["argv"][plan["argv"].index("-m", 3) :][:2] == ["-m", "moe_perf.titan_entry"]
+    assert "--model.flavor" in plan["argv"] and "30B-A3B-4layers" in plan["argv"]
+    assert plan["env"]["HF_HUB_OFFLINE"] == "1"
+    assert plan["env"]["PYTHONPATH"].startswith(WORKTREE)
+    assert plan["cwd"].startswith(WORKTREE) and sha[:10] in plan["cwd"]
+    assert "base: command " in out.out and "30B-A3B-4layers" in out.out
+    if not shutil.which("nvidia-smi"):
+        assert "warning (dry run" in out.err
+    assert not job.arm_dir.exists()  # nothing written for the arm
+    listed = subprocess.run(["git", "-C", str(titan_repo), "worktree", "list"], check=True,
+                            capture_output=True, text=True).stdout  # fmt: skip
+    assert len(listed.strip().splitlines()) == 1  # the worktree is gone again

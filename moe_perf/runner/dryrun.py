@@ -1,0 +1,71 @@
+"""`dry_run=true`: each arm's exact launch, printed instead of run.
+
+The prerequisites are checked as for a real sweep; checks of this host (devices present) only
+warn, so a GPU sweep can be previewed anywhere. The command is built by the same adapter and
+launcher calls as a real launch, from the arm's own code: a worktree at the arm's commit exists
+for as long as the command is being built (an adapter reads the framework's files there) and is
+removed again. Nothing launches and no arm directory is left.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from moe_perf import frameworks, launchers
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.launchers.process import LAUNCH_TOKEN_ENV, trainer_env
+from moe_perf.report.sweep import Sweep
+from moe_perf.runner import git
+from moe_perf.runner.job import Job, say
+
+WORKTREE = "<worktree>"  # the arm's worktree: a fresh temp directory each launch
+
+
+def check_host(cfg: Any, dry_run: bool) -> None:
+    """The adapter's checks of this host: an error before a real launch, a warning in a dry run."""
+    framework = frameworks.get(cfg)
+    check = getattr(framework, "check_host", None)
+    if check is None:
+        return
+    try:
+        check(cfg)
+    except PrerequisiteError as err:
+        if not dry_run:
+            raise
+        say(f"warning (dry run; a real run stops here): {err}", sys.stderr)
+
+
+def added_env(launch_env: dict[str, str], worktree: Path, arm_dir: Path) -> dict[str, str]:
+    """What the arm's environment adds to or changes in the runner's, worktree shown as such."""
+    full = trainer_env(worktree, arm_dir, "<launch id>", launch_env)
+    added = {k: v for k, v in full.items() if os.environ.get(k) != v}
+    return {k: v.replace(str(worktree), WORKTREE) for k, v in sorted(added.items())}
+
+
+def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
+    """The arm's command line, working directory and added environment; also printed."""
+    arm = str(cfg.arm.name)
+    config_path = job.arm_dir / "config.yaml"
+    with git.worktree(sweep.repo, sweep.shas[arm], f"dryrun-{label}") as worktree:
+        trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
+        argv = launchers.get(cfg).argv(cfg, job.arm_dir, trainer.argv)
+        env = added_env(trainer.env, worktree, job.arm_dir)
+        argv = [part.replace(str(worktree), WORKTREE) for part in argv]
+    env[LAUNCH_TOKEN_ENV] = "<launch id>"
+    plan = {
+        "arm": label,
+        "argv": argv,
+        "cwd": f"{WORKTREE} (a detached worktree of {sweep.repo} at {sweep.shas[arm][:10]})",
+        "env": env,
+        "log_format": trainer.log_format,
+    }
+    say(f"{label}: dry run, nothing launched ({cfg.model.name} {cfg.tag})")
+    say(f"{label}: cwd {plan['cwd']}")
+    say(f"{label}: env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
+    say(f"{label}: command {shlex.join(argv)}")
+    say(f"{label}: the trainer's lines are read as {trainer.log_format}")
+    return plan
