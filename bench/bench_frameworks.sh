@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# trainer=torchtitan through the real command on one GPU: an A/A sweep, a sweep against a branch
+# with a slowdown planted in torchtitan's own train step, and the reference trainer on the same
+# shapes (4-layer qwen3-30b-a3b, seq 2048, global batch 32, compiled, forced balance).
+#
+#   bash bench/bench_frameworks.sh TITAN_TREE OUT_DIR [PLANT_MS]
+#
+# TITAN_TREE: a torchtitan 0.2.2 source tree (torchtitan/ and tests/assets/tokenizer/); it is
+# copied into a fresh git repository (branch main), a branch `planted` adds a GPU spin of
+# PLANT_MS (default 30, about 5% of a 0.67 s step) at the start of every train step, calibrated
+# here with CUDA events. torchtitan's c4_test loader reads seeded synthetic JSON lines written
+# into tests/assets/c4_test. Each sweep directory (records, console logs, comparison.md) lands
+# in OUT_DIR; bench.txt there collects the comparisons.
+set -euo pipefail
+
+TREE=$(cd "$1" && pwd)
+OUT=$(mkdir -p "$2" && cd "$2" && pwd)
+PLANT_MS=${3:-30}
+PY=${PYTHON:-python}
+STEPS=${STEPS:-10}
+
+WORK=$(mktemp -d)
+REPO=$WORK/torchtitan
+cp -r "$TREE" "$REPO"
+mkdir -p "$REPO/tests/assets/c4_test"
+"$PY" - "$REPO/tests/assets/c4_test/data.json" <<'EOF'
+import json, random, sys
+words = ("the of and to in is was for on that with as by at from his her an which are this "
+         "be or had it not were but have their they one all been has more when who its also "
+         "first new would two after some time into other than may over them only these year").split()
+rng = random.Random(1234)
+with open(sys.argv[1], "w") as f:
+    for _ in range(2000):
+        f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(600))}) + "\n")
+EOF
+cd "$REPO"
+git init -q -b main
+git add -A
+git -c user.name=bench -c user.email=bench@moe-perf.invalid commit -q -m "torchtitan 0.2.2"
+
+# The plant: torch.cuda._sleep(cycles) spins on the GPU stream, so it is not hidden behind
+# queued GPU work the way a host sleep is; cycles per millisecond measured here.
+CYCLES=$("$PY" - "$PLANT_MS" <<'EOF'
+import sys, torch
+cycles = 10_000_000
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+torch.cuda._sleep(cycles); torch.cuda.synchronize()
+start.record(); torch.cuda._sleep(cycles); end.record(); torch.cuda.synchronize()
+print(int(cycles * float(sys.argv[1]) / start.elapsed_time(end)))
+EOF
+)
+git checkout -q -b planted
+"$PY" - torchtitan/train.py "$CYCLES" <<'EOF'
+import sys
+path, cycles = sys.argv[1], sys.argv[2]
+src = open(path).read()
+anchor = "        self.optimizers.zero_grad()\n"
+assert src.count(anchor) == 1, "train_step's first line moved: update the plant"
+plant = f"        torch.cuda._sleep({cycles})  # moe_perf bench: planted slowdown\n"
+open(path, "w").write(src.replace(anchor, plant + anchor))
+EOF
+git -c user.name=bench -c user.email=bench@moe-perf.invalid commit -q -am "plant: ${PLANT_MS} ms GPU spin per train step"
+git checkout -q main
+echo "plant: ${PLANT_MS} ms = ${CYCLES} spin cycles per step, in torchtitan/train.py train_step" | tee "$OUT/bench.txt"
+
+SHAPES=(model=qwen3-30b-a3b model.num_layers=4 mesh=single training.sequence_length=2048
+        training.global_batch=32 "training.max_steps=$STEPS" training.benchmark=true
+        trainer.compile=true wandb.mode=disabled timeout_s=900)
+
+sweep() {  # name, overrides...
+  local name=$1; shift
+  echo "== $name: python -m moe_perf $* -m arm=base,feat" | tee -a "$OUT/bench.txt"
+  "$PY" -m moe_perf "$@" "hydra.sweep.dir=$OUT/$name" -m arm=base,feat 2>&1 | tee "$OUT/$name.log"
+  cat "$OUT/$name/comparison.md" >> "$OUT/bench.txt" 2>/dev/null || echo "(no comparison)" >> "$OUT/bench.txt"
+}
+
+sweep titan_aa trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=main
+sweep titan_planted trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=planted
+# the reference trainer on the same shapes (micro-batch 16, its fastest on one H200); its code
+# is not in this repository, so both arms run the installed moe_perf trainer (an A/A)
+sweep reference trainer=reference "${SHAPES[@]}" training.micro_batch=16 refs.base=main refs.feat=main
