@@ -49,8 +49,9 @@ def installed_torchtitan() -> tuple[Path, str] | None:
 INSTALLED = installed_torchtitan()
 needs_torchtitan = pytest.mark.skipif(
     INSTALLED is None,
-    reason="torchtitan is not installed (pip install --no-deps torchtitan==0.2.2 tyro "
-    "docstring_parser typeguard): its own parser checks the command lines",
+    reason="torchtitan is not installed (pip install --no-deps torchtitan==0.2.2 tyro==1.0.17 "
+    "docstring_parser typeguard triton==3.6.0; its config imports its MoE triton kernels): its "
+    "own parser checks the command lines",
 )
 
 
