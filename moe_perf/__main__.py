@@ -1,6 +1,6 @@
-"""`python -m moe_perf ...` is the `moe-perf` command (the Hydra app lives in moe_perf.cli)."""
+"""`python -m moe_perf ...`: the `moe-perf` command (the Hydra app is moe_perf.runner.app)."""
 
-from moe_perf.cli import main
+from moe_perf.runner.app import main
 
 if __name__ == "__main__":
     main()

@@ -37,7 +37,7 @@ SMALL_TRAINER = textwrap.dedent(
     import torch
     import yaml
 
-    from moe_perf.contract import format_env, format_step
+    from moe_perf.common.contract import format_env, format_step
 
     EXTRA_SLEEP_S = 0.0
     EXIT_AFTER_STEP = None  # tests of a failing arm set a step number

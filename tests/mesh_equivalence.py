@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from moe_perf.mesh import MeshDims
+from moe_perf.common.config import config_from_dict
+from moe_perf.common.mesh import MeshDims
 from moe_perf.trainer import pp
-from moe_perf.trainer.config import config_from_dict
 from moe_perf.trainer.cp import shard_batch
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset

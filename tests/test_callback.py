@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from moe_perf.callback import CompareCallback
+from moe_perf.runner.callback import CompareCallback
 
 APP = textwrap.dedent(
     '''
@@ -23,8 +23,8 @@ APP = textwrap.dedent(
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from moe_perf.compare import record_from_log
-    from moe_perf.contract import format_step
+    from moe_perf.report.comparison import record_from_log
+    from moe_perf.common.contract import format_step
 
 
     @hydra.main(version_base="1.3", config_path=".", config_name="app")
@@ -66,7 +66,7 @@ CONFIG = textwrap.dedent(
     hydra:
       callbacks:
         compare:
-          _target_: moe_perf.callback.CompareCallback
+          _target_: moe_perf.runner.callback.CompareCallback
       sweep:
         dir: sweep
         subdir: ${model}/${tag}-${arm}-r${repeat}

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moe_perf import compare
-from moe_perf.contract import format_step
+from moe_perf.common.contract import format_step
+from moe_perf.report import comparison as compare
 
 TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
 CONFIG = {

@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from moe_perf.cli import flags_first
-from moe_perf.mesh import MeshDims
-from moe_perf.schema import mesh_dims, repeat_suffix
+from moe_perf.common.mesh import MeshDims
+from moe_perf.runner.app import flags_first
+from moe_perf.runner.schema import mesh_dims, repeat_suffix
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -153,4 +153,4 @@ def test_a_built_wheel_carries_the_configs(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {f"moe_perf/conf/{p.relative_to(CONF)}" for p in CONF.rglob("*.yaml")}
     assert expected <= names
-    assert "moe_perf/conf/__init__.py" in names and "moe_perf/cli.py" in names
+    assert "moe_perf/conf/__init__.py" in names and "moe_perf/runner/app.py" in names

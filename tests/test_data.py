@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from moe_perf.corpus import CorpusError, check_corpus, corpus_dir
-from moe_perf.trainer.config import DataConfig, ModelConfig
+from moe_perf.common.config import DataConfig, ModelConfig
+from moe_perf.common.corpus import CorpusError, check_corpus, corpus_dir
 from moe_perf.trainer.data import (
     CorpusTokens,
     SyntheticTokens,

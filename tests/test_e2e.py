@@ -25,7 +25,7 @@ from conftest import (
     trainer_variant,
 )
 
-from moe_perf import gitops
+from moe_perf.runner import git as gitops
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

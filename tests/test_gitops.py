@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import commit, git, moe_perf, write
 
-from moe_perf import gitops
+from moe_perf.runner import git as gitops
 
 
 def test_refs_resolve_branch_before_tag_then_sha(repo):
@@ -78,7 +78,7 @@ def test_path_in_commit(repo):
 HOLD_LOCK = textwrap.dedent(
     """
     import sys, time
-    from moe_perf.gitops import SweepLock
+    from moe_perf.runner.git import SweepLock
     lock = SweepLock(sys.argv[1])
     lock.acquire({"sweep_id": "held-by-test"})
     print("locked", flush=True)

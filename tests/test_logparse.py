@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_perf import logparse
+from moe_perf.report import logparse
 
 ANSI_GREEN, ANSI_RESET = "\x1b[32m", "\x1b[39m"
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from moe_perf.mesh import MeshDims
-from moe_perf.trainer.config import ModelConfig, config_from_dict
+from moe_perf.common.config import ModelConfig, config_from_dict
+from moe_perf.common.mesh import MeshDims
 from moe_perf.trainer.ep import shard_experts_
 from moe_perf.trainer.model import build_model, materialize
 from moe_perf.trainer.moe import moe_layers

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from moe_perf.mesh import MeshDims
-from moe_perf.trainer.config import config_from_dict
+from moe_perf.common.config import config_from_dict
+from moe_perf.common.mesh import MeshDims
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
 from moe_perf.trainer.parallelize import clip_grad_norm_, init_parallel, parallelize

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from moe_perf.mesh import MeshError, check_microbatches
-from moe_perf.trainer.config import ConfigError, ModelConfig
+from moe_perf.common.config import ConfigError, ModelConfig
+from moe_perf.common.mesh import MeshError, check_microbatches
 from moe_perf.trainer.cp import apply_context_parallel, shard_sequence
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset

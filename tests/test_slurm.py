@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_RUN, git, make_ab_repo, moe_perf, sweep_dir, trainer_variant
 
-from moe_perf import slurm
+from moe_perf.launchers import slurm
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / ".ci" / "setup_slurm.sh"

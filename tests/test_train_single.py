@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moe_perf import contract
+from moe_perf.common import contract
 from moe_perf.trainer.train import main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
+from moe_perf.common.config import ModelConfig
 from moe_perf.trainer import flops
-from moe_perf.trainer.config import ModelConfig
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import (
     GroupedExperts,

@@ -10,8 +10,8 @@ from conftest import commit, git, moe_perf, sweep_dir, write
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from moe_perf import validate
-from moe_perf.trainer.config import ConfigError, config_from_dict
+from moe_perf.common.config import ConfigError, config_from_dict
+from moe_perf.runner import preflight as validate
 
 # (overrides, words the message must contain: the override to change and the arithmetic)
 VIOLATIONS = {

@@ -15,14 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from moe_perf import compare, wandb_log
+from moe_perf.report import comparison as compare
+from moe_perf.runner import wandb_log
 
 FAKE_KEY = "local-5f0e7c1d9a8b4c3e2f1a0b9c8d7e6f5a4b3c2d1e"  # looks like a key, is not one
 
 LOG_ARM = textwrap.dedent(
     """
     import json, sys
-    from moe_perf.wandb_log import log_arm
+    from moe_perf.runner.wandb_log import log_arm
     record = json.load(open(sys.argv[1]))
     result = log_arm(record, sys.argv[2], json.loads(sys.argv[3]))
     print("RESULT", result)

@@ -32,6 +32,10 @@ from typing import Any
 
 from hydra.core.utils import JobReturn
 
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.runner import preflight
+from moe_perf.runner.outputs import ignore_outputs
+
 try:  # the `slurm` extra; without it there is no launcher here (and no warning from Hydra's scan)
     from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 except ImportError:  # pragma: no cover - depends on the environment
@@ -59,22 +63,20 @@ def say(text: str) -> None:
 def check_before_submitting(job_cfgs: Sequence[Any], first_batch: bool, sweep_dir: Path) -> None:
     """The runner's prerequisites, checked here so a bad sweep submits nothing (exit 2).
 
-    The same checks run again in each job (moe_perf.cli), which also takes the sweep lock and
-    resolves the refs to SHAs: that needs the job's process, so it is not done here.
+    The same checks run again in each job (moe_perf.runner), which also takes the sweep lock
+    and resolves the refs to SHAs: that needs the job's process, so it is not done here.
     """
-    from moe_perf import cli, slurm, validate
-
     problems = []
     for job_cfg in job_cfgs:
         try:
-            repo = validate.find_repo(str(job_cfg.repo), Path.cwd())
+            repo = preflight.find_repo(str(job_cfg.repo), Path.cwd())
             # Hydra has written multirun.yaml already: outputs must not count as a dirty tree
-            cli.ignore_outputs(repo, sweep_dir)
+            ignore_outputs(repo, sweep_dir)
             if first_batch and not problems:
-                validate.check_sweep(repo, {"base": job_cfg.refs.base, "feat": job_cfg.refs.feat})
-            with slurm.submitting():  # no allocation here yet: each job checks its own
-                validate.check_job(job_cfg, repo)
-        except validate.PrerequisiteError as err:
+                preflight.check_sweep(repo, {"base": job_cfg.refs.base, "feat": job_cfg.refs.feat})
+            # no allocation here yet: each job checks its own
+            preflight.check_job(job_cfg, repo, submitting=True)
+        except PrerequisiteError as err:
             problems.append(str(err))
     if problems:
         for problem in dict.fromkeys(problems):  # once each, in order

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moe_perf.corpus import FORMAT, META_FILE, TOKENS_FILE, check_corpus, read_meta
+from moe_perf.common.corpus import FORMAT, META_FILE, TOKENS_FILE, check_corpus, read_meta
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
 

@@ -22,7 +22,7 @@ dense bf16 peak of the GPU; None on CPU, unknown GPUs and fp8 (no single peak fo
 
 from __future__ import annotations
 
-from moe_perf.trainer.config import ModelConfig
+from moe_perf.common.config import ModelConfig
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets.
 PEAK_BF16_FLOPS = (

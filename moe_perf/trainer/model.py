@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe_perf.trainer.config import ModelConfig
+from moe_perf.common.config import ModelConfig
 from moe_perf.trainer.moe import FeedForward, MoE, init_generator
 
 

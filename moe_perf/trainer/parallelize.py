@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from moe_perf.mesh import MeshDims
+from moe_perf.common.mesh import MeshDims
 from moe_perf.trainer.ep import AllToAllDispatcher, shard_experts_
 from moe_perf.trainer.model import materialize
 from moe_perf.trainer.moe import moe_layers

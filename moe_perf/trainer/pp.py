@@ -41,8 +41,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from moe_perf.mesh import check_microbatches
-from moe_perf.trainer.config import ConfigError, ModelConfig
+from moe_perf.common.config import ConfigError, ModelConfig
+from moe_perf.common.mesh import check_microbatches
 from moe_perf.trainer.model import Transformer, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
 

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moe_perf import contract
-from moe_perf.corpus import CorpusError
-from moe_perf.mesh import MeshError
+from moe_perf.common import contract
+from moe_perf.common.config import Config, ConfigError, load_config
+from moe_perf.common.corpus import CorpusError
+from moe_perf.common.mesh import MeshError
 from moe_perf.trainer import flops, moe
-from moe_perf.trainer.config import Config, ConfigError, load_config
 from moe_perf.trainer.data import local_microbatches, make_source
 from moe_perf.trainer.model import build_model, cross_entropy
 

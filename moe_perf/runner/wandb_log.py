@@ -3,7 +3,7 @@
 Interface for the runner (call it after the trainer processes have exited and metrics.json is
 written, so wandb's start-up and network never touch a measured step)::
 
-    from moe_perf.wandb_log import log_arm
+    from moe_perf.runner.wandb_log import log_arm
     run_dir = log_arm(record, arm_dir, wandb_cfg)   # -> str | None, never raises
 
 * `record`: the arm's metrics.json dict (schema moe_perf.arm/1): model, tag, arm, repeat, sha,

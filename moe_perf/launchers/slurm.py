@@ -13,20 +13,22 @@ read exactly as locally; torchrun's per-rank logs land under the arm's `torchrun
 sub-directory per node agent: torchrun makes each unique). Needs a filesystem shared by the
 nodes for the repository, its worktrees and the output directory, as any SLURM training does.
 
-Also here: `SequentialSlurmLauncher`, the Hydra submitit launcher behind
-`hydra/launcher=moe_perf_slurm`, which submits one job per arm and waits for it before the
-next (see docs/slurm.md).
+The Hydra submitit launcher behind `hydra/launcher=moe_perf_slurm`, which submits one job per
+arm and waits for it before the next, lives in hydra_plugins/moe_perf_launcher (docs/slurm.md).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.launchers.base import free_port, torchrun_argv
 
 
 class SlurmLaunchError(RuntimeError):
@@ -69,14 +71,16 @@ def check_nodes(alloc: Mapping[str, Any], nnodes: int) -> None:
         )
 
 
-def check_allocation(nnodes: int, env: Mapping[str, str] | None = None) -> None:
+def check_allocation(
+    nnodes: int, env: Mapping[str, str] | None = None, *, submitting: bool = False
+) -> None:
     """The prerequisite of launcher=slurm: inside an allocation with the mesh's nodes, srun here.
 
     Skipped in the process that submits the sweep with hydra/launcher=moe_perf_slurm: each arm
     gets its allocation from its own job, where this check runs again.
     """
     env = os.environ if env is None else env
-    if _SUBMITTING:
+    if submitting:
         return
     alloc = allocation(env)
     if not env.get("SUBMITIT_EXECUTOR"):
@@ -85,21 +89,6 @@ def check_allocation(nnodes: int, env: Mapping[str, str] | None = None) -> None:
         check_nodes(alloc, nnodes)
     if shutil.which("srun") is None:
         raise SlurmLaunchError("launcher=slurm: `srun` is not on PATH; use launcher=local")
-
-
-# True while hydra/launcher=moe_perf_slurm checks a sweep before submitting it (no allocation yet)
-_SUBMITTING = False
-
-
-@contextlib.contextmanager
-def submitting() -> Iterator[None]:
-    """Within it, check_allocation passes: each job brings its own allocation and checks again."""
-    global _SUBMITTING
-    previous, _SUBMITTING = _SUBMITTING, True
-    try:
-        yield
-    finally:
-        _SUBMITTING = previous
 
 
 def head_node(nodelist: str) -> str:
@@ -188,7 +177,7 @@ def srun_argv(
         f"--nodes={nnodes}",
         f"--ntasks={nnodes}",
         "--ntasks-per-node=1",
-        # -W 0: wait for every node's torchrun however long the others take (the seed's flag);
+        # -W 0: wait for every node's torchrun however long the others take;
         # --kill-on-bad-exit: one node failing ends the step instead of leaving the rest hanging
         "--wait=0",
         "--kill-on-bad-exit=1",
@@ -224,17 +213,23 @@ def failure_reason(returncode: int, console_tail: str) -> str | None:
     return None
 
 
-def register_hydra_launcher() -> None:
-    """Make `hydra/launcher=moe_perf_slurm`'s class known to Hydra, however moe_perf is installed.
+class SlurmLauncher:
+    """`launcher=slurm`: the torchrun launch as one srun step over the mesh's nodes."""
 
-    Hydra 1.3 finds launchers by walking the `hydra_plugins` namespace on disk, which misses
-    packages of a PEP 660 editable install (`pip install -e .`, setuptools >= 64; Hydra issue
-    2359); it offers `Plugins.register` for this. Nothing happens without the `slurm` extra.
-    """
-    try:
-        from hydra_plugins.moe_perf_launcher.sequential_slurm import SequentialSlurmLauncher
-    except ImportError:  # no hydra-submitit-launcher: hydra/launcher=moe_perf_slurm can't compose
-        return
-    from hydra.core.plugins import Plugins
+    name = "slurm"
 
-    Plugins.instance().register(SequentialSlurmLauncher)
+    def check(self, cfg: Any, *, submitting: bool = False) -> None:
+        try:
+            check_allocation(int(cfg.mesh.nnodes), submitting=submitting)
+        except SlurmLaunchError as err:
+            raise PrerequisiteError(str(err)) from None
+
+    def argv(self, cfg: Any, arm_dir: Path, trainer_argv: Sequence[str]) -> list[str]:
+        # srun_argv moves the rendezvous to the first node of the allocation
+        local = torchrun_argv(cfg, arm_dir, free_port()) + list(trainer_argv)
+        return srun_argv(
+            local, nnodes=int(cfg.mesh.nnodes), arm_label=arm_dir.name, launcher=cfg.launcher
+        )
+
+    def failure_reason(self, exit_code: int | None, console_tail: str) -> str | None:
+        return failure_reason(exit_code or 1, console_tail)

@@ -1,62 +1,34 @@
-"""One sweep's state on disk: its id, the refs it resolved, and the arm directories.
+"""What the runner writes beside the arms: the outputs' .gitignore, earlier arm directories
+moved aside, the identity of the arms of one comparison.
 
-A sweep is one `python -m moe_perf ... -m ...` (or one single run). Its first job resolves both
-refs to SHAs and writes `<sweep dir>/.moe_perf/sweep.json`; every later job (in this process or,
-under a launcher that forks, another one) reads the SHAs from there, so the feat arm runs the
-commit that was checked out when the sweep started even if the user switches branch meanwhile.
-
-Earlier sweeps are kept, never mixed in: each record carries `sweep_id`, and an arm directory
-left by an earlier sweep is moved to `<model>/previous/<its sweep_id>/<name>` before reuse.
+An arm directory left by an earlier sweep is moved to `<model>/previous/<its sweep_id>/<name>`
+before reuse, so no measurement is overwritten.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from moe_perf import records
-
-STATE_DIR = ".moe_perf"
-
-
-@dataclass
-class Sweep:
-    sweep_id: str
-    sweep_dir: str
-    repo: str
-    refs: dict  # {"base": "main", "feat": "my-branch"}: as asked, when the sweep started
-    shas: dict  # {"base": "<40 hex>", "feat": "<40 hex>"}
-    started: str
-
-    @property
-    def aa_run(self) -> bool:
-        return self.shas["base"] == self.shas["feat"]
+from moe_perf.report import record as records
+from moe_perf.report.sweep import STATE_DIR, Sweep
+from moe_perf.runner import git
 
 
-def new_sweep_id() -> str:
-    """A timestamp (sorts by start time) with the pid (two hosts, one second)."""
-    return datetime.now().strftime("%Y%m%d-%H%M%S-%f")[:-3] + f"-{os.getpid()}"
-
-
-def state_path(sweep_dir: Path) -> Path:
-    return Path(sweep_dir) / STATE_DIR / "sweep.json"
-
-
-def save(sweep: Sweep) -> None:
-    path = state_path(Path(sweep.sweep_dir))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    records.write_record(path, asdict(sweep))
-
-
-def load(sweep_dir: Path) -> Sweep | None:
+def ignore_outputs(repo: Path, sweep_dir: Path) -> None:
+    """Outputs inside the repository must not dirty its tree for the next sweep."""
     try:
-        return Sweep(**json.loads(state_path(sweep_dir).read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):
-        return None
+        rel = sweep_dir.resolve().relative_to(repo)
+    except ValueError:
+        return  # outside the repository
+    if not rel.parts or git.is_ignored(repo, rel / "metrics.json"):
+        return
+    root = repo / rel.parts[0]
+    target = root / ".gitignore" if not (root / ".gitignore").exists() else sweep_dir / ".gitignore"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("# written by moe_perf: run outputs are not source\n*\n")
 
 
 # ---- arm directories -------------------------------------------------------------------------
@@ -98,26 +70,12 @@ def remove_empty_dirs(path: Path, stop: Path) -> None:
 
 # ---- arm identity ----------------------------------------------------------------------------
 
-ARM_KEYS = ("arm", "repeat")  # the only keys allowed to differ between arms of one comparison
-
-
-def _flatten(node: object, prefix: str = "") -> dict:
-    if isinstance(node, dict):
-        flat: dict = {}
-        for key, value in node.items():
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        return flat
-    return {prefix[:-1]: node}
-
 
 def differing_keys(first: dict, other: dict) -> list[str]:
     """Dotted keys whose values differ (arm and repeat excepted), e.g. `training.seed (1 vs 2)`."""
-    a = _flatten({k: v for k, v in first.items() if k not in ARM_KEYS})
-    b = _flatten({k: v for k, v in other.items() if k not in ARM_KEYS})
     return [
-        f"{key} ({a.get(key, '<missing>')!r} vs {b.get(key, '<missing>')!r})"
-        for key in sorted(set(a) | set(b))
-        if a.get(key, "<missing>") != b.get(key, "<missing>")
+        f"{d['key']} ({d['values']['first']!r} vs {d['values']['other']!r})"
+        for d in records.config_differences({"first": first, "other": other})
     ]
 
 

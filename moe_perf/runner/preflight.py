@@ -12,16 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from moe_perf import gitops
-from moe_perf.corpus import CorpusError, check_corpus
-from moe_perf.mesh import MeshError
-from moe_perf.schema import mesh_dims
+from moe_perf import frameworks, launchers
+from moe_perf.common.corpus import CorpusError, check_corpus
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.common.mesh import MeshError
+from moe_perf.report.record import ARMS
+from moe_perf.runner import git as gitops
+from moe_perf.runner.schema import mesh_dims
 
-ARMS = ("base", "feat")
-
-
-class PrerequisiteError(ValueError):
-    """A setting or repository state that cannot run; the message names what to change."""
+__all__ = ["PrerequisiteError", "check_job", "check_sweep", "corpus_root", "find_repo"]
 
 
 def check_mesh(cfg: Any) -> None:
@@ -37,25 +36,15 @@ def check_mesh(cfg: Any) -> None:
         raise PrerequisiteError(str(err)) from None
 
 
-def check_launcher(cfg: Any) -> None:
-    if cfg.launcher.name == "local" and int(cfg.mesh.nnodes) != 1:
-        raise PrerequisiteError(
-            f"mesh.nnodes={cfg.mesh.nnodes} but launcher=local runs on this machine only: "
-            f"pick a one-node mesh or a multi-node launcher (launcher=slurm)"
-        )
-    if cfg.launcher.name == "slurm":  # launcher=slurm hook (issue 5): moe_perf/slurm.py
-        from moe_perf import slurm
-
-        try:
-            slurm.check_allocation(int(cfg.mesh.nnodes))
-        except slurm.SlurmLaunchError as err:
-            raise PrerequisiteError(str(err)) from None
+def check_launcher(cfg: Any, submitting: bool = False) -> None:
+    launchers.get(cfg).check(cfg, submitting=submitting)
 
 
-def check_trainer(cfg: Any) -> None:
-    command = list(cfg.trainer.command or [])
-    if not command:
-        raise PrerequisiteError("trainer.command is empty: set e.g. trainer.command=[-m,mytrainer]")
+def check_trainer(cfg: Any, repo: Path) -> None:
+    frameworks.get(cfg).check(cfg, repo)
+
+
+def check_run(cfg: Any) -> None:
     if int(cfg.training.max_steps) < 2:
         raise PrerequisiteError(
             f"training.max_steps={cfg.training.max_steps}: step 1 is dropped as warm-up, so at "
@@ -80,11 +69,16 @@ def check_data(cfg: Any, repo: Path) -> None:
         raise PrerequisiteError(str(err)) from None
 
 
-def check_job(cfg: Any, repo: Path) -> None:
-    """Everything that depends on this job's settings, in the order a user would fix them."""
+def check_job(cfg: Any, repo: Path, *, submitting: bool = False) -> None:
+    """Everything that depends on this job's settings, in the order a user would fix them.
+
+    `submitting`: checked where the sweep is only submitted (hydra/launcher=moe_perf_slurm);
+    checks of the launching host are left to the job itself.
+    """
     check_mesh(cfg)
-    check_launcher(cfg)
-    check_trainer(cfg)
+    check_launcher(cfg, submitting)
+    check_run(cfg)
+    check_trainer(cfg, repo)
     check_data(cfg, repo)
 
 

@@ -26,7 +26,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from moe_perf.contract import parse_env, parse_step
+from moe_perf.common.contract import parse_env, parse_step
 
 FORMATS = ("contract", "titan", "megatron")
 METRIC_KEYS = ("step_time_s", "tokens_per_s", "peak_mem_gib", "loss", "tflops", "mfu")

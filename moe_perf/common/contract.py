@@ -22,6 +22,8 @@ import re
 PREFIX = "[moe_perf]"
 REQUIRED = ("step_time_s", "tokens_per_s", "peak_mem_gib")
 OPTIONAL = ("loss", "tflops", "mfu")
+# Every per-step metric, in the order records and tables show them.
+METRICS = REQUIRED + OPTIONAL
 
 # torchrun --tee prefixes lines with "[rank0]:" (or "[default0]:"); the prefix may also sit
 # after a timestamp written by a user's logger, so search rather than anchor.

@@ -14,7 +14,9 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from moe_perf.mesh import MeshDims
+from moe_perf.common.mesh import MeshDims
+from moe_perf.runner import git
+from moe_perf.runner.job import repeat_suffix
 
 # The Optional[...] spelling is for OmegaConf, which does not read `X | None` on Python 3.10.
 
@@ -104,17 +106,8 @@ def _tag(nnodes, nproc_per_node, pp, cp, ep, sequence_length, dtype) -> str:
     return dims.tag(int(sequence_length), str(dtype))
 
 
-def repeat_suffix(repeat: Any, task_overrides: Any = ()) -> str:
-    """`-r<repeat>` when the sweep sets `repeat` or it is non-zero, so repeats never overwrite."""
-    swept = any(str(o).lstrip("+~").startswith("repeat=") for o in task_overrides or ())
-    return f"-r{int(repeat)}" if swept or int(repeat) != 0 else ""
-
-
 def _current_branch(repo: str) -> Optional[str]:  # noqa: UP045
-    # Imported here: git is only needed when the default refs.feat is resolved.
-    from moe_perf import gitops
-
-    return gitops.current_branch(repo)
+    return git.current_branch(repo)
 
 
 def register() -> None:

@@ -18,9 +18,15 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moe_perf.common.contract import METRICS
+
 SCHEMA = "moe_perf.arm/1"
-STEP_KEYS = ("step", "step_time_s", "tokens_per_s", "peak_mem_gib", "loss", "tflops", "mfu")
-MEDIAN_METRICS = ("step_time_s", "tokens_per_s", "tflops", "mfu")
+ARMS = ("base", "feat")
+STEP_KEYS = ("step", *METRICS)
+# summarized by their median; peak memory by its maximum; loss is shown per step only
+MEDIAN_METRICS = tuple(m for m in METRICS if m not in ("peak_mem_gib", "loss"))
+# The identity rule: the only keys allowed to differ between the arms of one comparison.
+ARM_KEYS = ("arm", "repeat")
 
 
 def _median(values: Iterable[float | None]) -> float | None:
@@ -96,6 +102,46 @@ def write_record(path: Path, record: dict) -> None:
 
 def read_record(path: Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def flatten(node: object, prefix: str = "") -> dict:
+    """{"training.seed": 1, ...}: a nested config as dotted keys."""
+    if isinstance(node, dict):
+        flat: dict = {}
+        for key, value in node.items():
+            flat.update(flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: node}
+
+
+def config_differences(configs: dict[str, dict]) -> list[dict]:
+    """[{key, values: {label: value}}] for every dotted key whose value differs between the
+    labelled configs, the identity keys (arm, repeat) excepted. Values are compared as JSON, so
+    1 and 1.0 or a list and a tuple of the same items count as equal."""
+    flats = {
+        label: flatten({k: v for k, v in (config or {}).items() if k not in ARM_KEYS})
+        for label, config in configs.items()
+    }
+    keys = sorted(set().union(*flats.values())) if flats else []
+    differences = []
+    for key in keys:
+        values = {label: flat.get(key, "<missing>") for label, flat in flats.items()}
+        if len({json.dumps(v, sort_keys=True, default=str) for v in values.values()}) > 1:
+            differences.append({"key": key, "values": values})
+    return differences
+
+
+def load_record(path: Path) -> tuple[dict | None, str | None]:
+    """(record, None) for a readable arm record, else (None, why it was skipped)."""
+    try:
+        record = read_record(path)
+    except (OSError, ValueError) as exc:
+        return None, f"skipped {path}: unreadable ({exc})"
+    schema = record.get("schema") if isinstance(record, dict) else None
+    if not isinstance(schema, str) or not schema.startswith("moe_perf.arm/"):
+        return None, f"skipped {path}: schema {schema!r} is not {SCHEMA}"
+    record["_path"] = str(path)
+    return record, None
 
 
 def arm_record(

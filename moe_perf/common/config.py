@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from moe_perf.mesh import MeshDims
+from moe_perf.common.mesh import MeshDims
 
 
 class ConfigError(ValueError):

@@ -5,7 +5,7 @@ Registered in conf/config.yaml as::
     hydra:
       callbacks:
         compare:
-          _target_: moe_perf.callback.CompareCallback
+          _target_: moe_perf.runner.callback.CompareCallback
 
 Hydra gives `on_multirun_end` no job results, so the records are read back from the sweep
 directory (REFERENCE §7). Hydra also turns a callback's exception into a warning that is easy
@@ -43,7 +43,7 @@ class CompareCallback(Callback):
         try:
             sweep_dir = sweep_dir_of(config)
             # Imported here: the comparison pulls in matplotlib, which the jobs never need.
-            from moe_perf.compare import compare_sweep
+            from moe_perf.report.comparison import compare_sweep
 
             _, text = compare_sweep(sweep_dir, write=self.write)
             print("\n" + text, end="", flush=True)

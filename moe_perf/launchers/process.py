@@ -1,9 +1,6 @@
-"""Launch one arm: the torchrun argument list, streaming and saving its output, the timeout,
-and stopping every process it started (Ctrl-C, SIGTERM, timeout).
-
-A launcher turns (config, arm dir, resolved config path) into an argument list; the local one
-is plain torchrun. A `launcher=slurm` variant wraps the same torchrun argv in `srun ...`
-(`launcher_argv`), everything else here stays the same.
+"""Run one arm's launch: stream and save its output, the timeout, and stop every process it
+started (Ctrl-C, SIGTERM, timeout). The same for every launcher: a launcher only builds the
+argument list (launchers/local.py, launchers/slurm.py).
 """
 
 from __future__ import annotations
@@ -12,17 +9,17 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
-from moe_perf.contract import parse_env, parse_step
+from moe_perf.common.contract import parse_env, parse_step
 
 # torchrun --tee prefixes every worker line with its local rank: "[default0]:" (or "[rank0]:").
 _RANK_PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
@@ -40,44 +37,11 @@ class LaunchResult:
     trainer_wall_s: float = 0.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("localhost", 0))
-        return sock.getsockname()[1]
-
-
-def torchrun_argv(cfg: Any, arm_dir: Path, config_path: Path, port: int) -> list[str]:
-    """`python -m torch.distributed.run ... <trainer.command> <config>`, as a list."""
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(cfg.mesh.nnodes),
-        "--nproc-per-node", str(cfg.mesh.nproc_per_node),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"localhost:{port}",
-        "--log-dir", str(arm_dir / "torchrun"),
-        "--tee", "3",
-        *[str(part) for part in cfg.trainer.command],
-        str(config_path),
-    ]  # fmt: skip
-
-
-def launcher_argv(cfg: Any, arm_dir: Path, config_path: Path) -> list[str]:
-    """The whole command of one arm for the configured launcher."""
-    if cfg.launcher.name == "slurm":  # launcher=slurm hook (issue 5): moe_perf/slurm.py
-        from moe_perf import slurm
-
-        # srun_argv moves the rendezvous to the first node of the allocation
-        argv = torchrun_argv(cfg, arm_dir, config_path, free_port())
-        return slurm.srun_argv(
-            argv, nnodes=int(cfg.mesh.nnodes), arm_label=arm_dir.name, launcher=cfg.launcher
-        )
-    if cfg.launcher.name != "local":
-        raise ValueError(f"launcher={cfg.launcher.name} is not supported by this runner yet")
-    return torchrun_argv(cfg, arm_dir, config_path, free_port())
-
-
-def trainer_env(worktree: Path, arm_dir: Path, token: str) -> dict[str, str]:
+def trainer_env(
+    worktree: Path, arm_dir: Path, token: str, extra: dict[str, str] | None = None
+) -> dict[str, str]:
     env = dict(os.environ)
+    env.update(extra or {})
     # the worktree first, so an arm whose repository holds the trainer runs its own code
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(worktree), env.get("PYTHONPATH")) if p)
     env["MOE_PERF_ARM_DIR"] = str(arm_dir)
@@ -208,12 +172,15 @@ def run_trainer(
     timeout_s: float,
     kill_grace_s: float,
     max_steps: int,
+    env: dict[str, str] | None = None,
+    failure_reason: Callable[[int | None, str], str | None] | None = None,
     echo: TextIO | None = None,
 ) -> LaunchResult:
     """Run one arm's launch to the end, saving its output in `<arm_dir>/console.log`.
 
-    KeyboardInterrupt (Ctrl-C, or SIGTERM turned into one by the caller) stops every process
-    of the launch and is re-raised, so the sweep stops.
+    `env` is added to the runner's environment; `failure_reason(exit_code, console_tail)` is
+    the launcher's reading of a failed launch. KeyboardInterrupt (Ctrl-C, or SIGTERM turned
+    into one by the caller) stops every process of the launch and is re-raised.
     """
     echo = echo or sys.stdout
     token = uuid.uuid4().hex
@@ -224,7 +191,7 @@ def run_trainer(
         proc = subprocess.Popen(
             argv,
             cwd=cwd,
-            env=trainer_env(cwd, arm_dir, token),
+            env=trainer_env(cwd, arm_dir, token, env),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -250,10 +217,8 @@ def run_trainer(
         stop_launch(proc, token, kill_grace_s)  # stray workers of a finished launch, if any
         pump.thread.join(timeout=10)
     failure = failure_of(exit_code, timed_out, timeout_s, pump.steps, max_steps)
-    if failure and not timed_out and Path(argv[0]).name == "srun":  # launcher=slurm hook (issue 5)
-        from moe_perf import slurm  # names a step SLURM cancelled (time limit, scancel)
-
+    if failure and not timed_out and failure_reason is not None:
         tail = console_log.read_text(encoding="utf-8", errors="replace")[-8000:]
-        failure = slurm.failure_reason(exit_code or 1, tail) or failure
+        failure = failure_reason(exit_code, tail) or failure
     steps = [pump.steps[k] for k in sorted(pump.steps)]
     return LaunchResult(exit_code, failure, steps, pump.env, round(wall_s, 3))

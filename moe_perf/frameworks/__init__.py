@@ -1,0 +1,24 @@
+"""One adapter per trainer a sweep can run (base.Framework); `get(cfg)` picks it by
+`trainer.name`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks.base import Framework, TrainerLaunch
+from moe_perf.frameworks.reference import ContractTrainer
+
+FRAMEWORKS: dict[str, type] = {"reference": ContractTrainer}
+
+__all__ = ["FRAMEWORKS", "Framework", "TrainerLaunch", "get"]
+
+
+def get(cfg: Any) -> Framework:
+    name = str(cfg.trainer.name)
+    if name not in FRAMEWORKS:
+        raise PrerequisiteError(
+            f"trainer={name} has no adapter in this moe_perf: use one of "
+            f"{', '.join(sorted(FRAMEWORKS))}"
+        )
+    return FRAMEWORKS[name]()

@@ -1,0 +1,25 @@
+"""`trainer=reference`: the reference trainer, or any trainer that keeps the moe_perf contract
+(docs/trainer-contract.md): `trainer.command` followed by the resolved config's path, one
+`[moe_perf] step=` line per optimizer step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks.base import TrainerLaunch
+
+
+class ContractTrainer:
+    name = "reference"
+
+    def check(self, cfg: Any, repo: Path) -> None:
+        if not list(cfg.trainer.command or []):
+            raise PrerequisiteError(
+                "trainer.command is empty: set e.g. trainer.command=[-m,mytrainer]"
+            )
+
+    def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
+        argv = [str(part) for part in cfg.trainer.command] + [str(config_path)]
+        return TrainerLaunch(argv=argv, log_format="contract")

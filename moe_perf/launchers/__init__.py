@@ -1,0 +1,23 @@
+"""Where an arm's processes run: one small interface (base.Launcher), one module per launcher."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.launchers.base import Launcher
+from moe_perf.launchers.local import LocalLauncher
+from moe_perf.launchers.slurm import SlurmLauncher
+
+LAUNCHERS: dict[str, type] = {"local": LocalLauncher, "slurm": SlurmLauncher}
+
+
+def get(cfg: Any) -> Launcher:
+    """The launcher that `launcher=<name>` selects."""
+    name = str(cfg.launcher.name)
+    if name not in LAUNCHERS:
+        raise PrerequisiteError(
+            f"launcher={name} is not a launcher of this moe_perf: use one of "
+            f"{', '.join(sorted(LAUNCHERS))}"
+        )
+    return LAUNCHERS[name]()

@@ -1,0 +1,73 @@
+"""One sweep's state on disk, `<sweep dir>/.moe_perf/sweep.json`: its id and the refs it resolved.
+
+A sweep is one `python -m moe_perf ... -m ...` (or one single run). Its first job resolves both
+refs to SHAs and writes `<sweep dir>/.moe_perf/sweep.json`; every later job (in this process or,
+under a launcher that forks, another one) reads the SHAs from there, so the feat arm runs the
+commit that was checked out when the sweep started even if the user switches branch meanwhile.
+
+Earlier sweeps are kept, never mixed in: each record carries `sweep_id`, and the comparison
+reads only the records of the sweep this file names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+from moe_perf.report.record import write_record
+
+STATE_DIR = ".moe_perf"
+
+
+@dataclass
+class Sweep:
+    sweep_id: str
+    sweep_dir: str
+    repo: str
+    refs: dict  # {"base": "main", "feat": "my-branch"}: as asked, when the sweep started
+    shas: dict  # {"base": "<40 hex>", "feat": "<40 hex>"}
+    started: str
+
+    @property
+    def aa_run(self) -> bool:
+        return self.shas["base"] == self.shas["feat"]
+
+
+def new_sweep_id() -> str:
+    """A timestamp (sorts by start time) with the pid (two hosts, one second)."""
+    return datetime.now().strftime("%Y%m%d-%H%M%S-%f")[:-3] + f"-{os.getpid()}"
+
+
+def state_path(sweep_dir: Path) -> Path:
+    return Path(sweep_dir) / STATE_DIR / "sweep.json"
+
+
+def save(sweep: Sweep) -> None:
+    path = state_path(Path(sweep.sweep_dir))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_record(path, asdict(sweep))
+
+
+def _read(sweep_dir: Path) -> dict | None:
+    try:
+        state = json.loads(state_path(sweep_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def load(sweep_dir: Path) -> Sweep | None:
+    """The sweep a job joins; None when there is none (or the file is not a whole state)."""
+    try:
+        return Sweep(**(_read(sweep_dir) or {}))
+    except TypeError:
+        return None
+
+
+def current_sweep_id(sweep_dir: Path) -> str | None:
+    """The id of the sweep the directory's state names: the records a comparison reads."""
+    sweep_id = (_read(sweep_dir) or {}).get("sweep_id")
+    return str(sweep_id) if sweep_id else None

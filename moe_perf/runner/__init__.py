@@ -1,0 +1,1 @@
+"""The runner: the Hydra app, the sweep session, one arm, the preflight checks, git."""

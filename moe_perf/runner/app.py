@@ -1,0 +1,137 @@
+"""The command: `python -m moe_perf [overrides] [-m arm=base,feat ...]`, one Hydra job per arm.
+
+`hydra_main` is a thin shell around `runner.arm.run_arm(cfg, ...)`. In a multirun the first job
+checks every job of the sweep (composed here with Hydra's compose API) before any arm launches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.runner import preflight
+from moe_perf.runner.arm import run_arm
+from moe_perf.runner.job import Job, say
+from moe_perf.runner.session import SweepSession
+
+
+def register_hydra_launcher() -> None:
+    """Make `hydra/launcher=moe_perf_slurm`'s class known to Hydra, however moe_perf is installed.
+
+    Hydra 1.3 finds launchers by walking the `hydra_plugins` namespace on disk, which misses
+    packages of a PEP 660 editable install (`pip install -e .`, setuptools >= 64; Hydra issue
+    2359); it offers `Plugins.register` for this. Nothing happens without the `slurm` extra.
+    """
+    try:
+        from hydra_plugins.moe_perf_launcher.sequential_slurm import SequentialSlurmLauncher
+    except ImportError:  # no hydra-submitit-launcher: hydra/launcher=moe_perf_slurm can't compose
+        return
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance().register(SequentialSlurmLauncher)
+
+
+register_hydra_launcher()
+
+SESSION = SweepSession()  # one command, one session: its locks and the sweep its jobs join
+
+
+def current_job() -> Job:
+    hc = HydraConfig.get()
+    cwd = Path(hc.runtime.cwd)
+    sweep_dir = Path(str(hc.sweep.dir))
+    return Job(
+        arm_dir=Path(hc.runtime.output_dir),
+        sweep_dir=sweep_dir if sweep_dir.is_absolute() else cwd / sweep_dir,
+        cwd=cwd,
+        num=int(OmegaConf.select(hc, "job.num", default=0) or 0),
+        multirun=hc.mode == RunMode.MULTIRUN,
+        config_name=str(hc.job.config_name),
+        overrides=list(hc.overrides.task),
+    )
+
+
+def sweep_job_overrides(job: Job) -> list[list[str]] | None:
+    """Every job's overrides, in the basic sweeper's order: the cartesian product of the swept
+    values, the first override varying slowest. None when another sweeper runs the sweep."""
+    try:
+        multirun = OmegaConf.load(job.sweep_dir / "multirun.yaml")
+    except OSError:
+        return None
+    if "BasicSweeper" not in str(OmegaConf.select(multirun, "hydra.sweeper._target_")):
+        return None
+    params = OmegaConf.select(multirun, "hydra.sweeper.params") or {}
+    arguments = [f"{k}={v}" for k, v in params.items()] + list(multirun.hydra.overrides.task)
+    choices = []
+    for override in OverridesParser.create().parse_overrides(arguments):
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            choices.append([f"{key}={value}" for value in override.sweep_string_iterator()])
+        else:
+            choices.append([f"{key}={override.get_value_element_as_str()}"])
+    return [list(job) for job in itertools.product(*choices)]
+
+
+def check_all_jobs(job: Job, repo: Path) -> bool:
+    """Every job's prerequisites, before the first arm launches (multirun only).
+
+    False when the sweep's jobs cannot be listed (a sweeper other than the basic one).
+    """
+    all_overrides = sweep_job_overrides(job)
+    if all_overrides is None or not GlobalHydra.instance().is_initialized():
+        return False  # the job checks itself
+    problems = []
+    for overrides in all_overrides:
+        try:
+            job_cfg = hydra.compose(config_name=job.config_name, overrides=overrides)
+            preflight.check_job(job_cfg, repo)
+        except PrerequisiteError as err:
+            problems.append(f"job [{' '.join(overrides)}]: {err}")
+        except Exception as err:  # a value that does not compose: Hydra's own message
+            problems.append(f"job [{' '.join(overrides)}]: {type(err).__name__}: {err}")
+    if problems:
+        raise PrerequisiteError(f"{len(problems)} job(s) of this sweep cannot run:\n  " +
+                                "\n  ".join(problems))  # fmt: skip
+    return True
+
+
+def config_dir() -> str:
+    """The configs of the moe_perf that is running: `conf/` of its source tree when it runs
+    from one (a checkout on PYTHONPATH, an editable install), else the installed package's
+    `moe_perf.conf`. Resolving `pkg://moe_perf.conf` alone would fail without an install, and
+    with an editable install elsewhere it would mix that tree's configs with this code."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "conf" / "config.yaml").is_file():
+        return str(root / "conf")
+    return "pkg://moe_perf.conf"
+
+
+@hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
+    run_arm(cfg, current_job(), SESSION, check_all_jobs)
+
+
+def flags_first(argv: list[str]) -> list[str]:
+    """`model=x -m arm=base,feat` as users type it: Hydra's parser wants -m before overrides."""
+    flags = [arg for arg in argv if arg in ("-m", "--multirun")]
+    return flags + [arg for arg in argv if arg not in ("-m", "--multirun")]
+
+
+def main() -> None:
+    """The `moe-perf` console script and `python -m moe_perf`."""
+    sys.argv[1:] = flags_first(sys.argv[1:])
+    try:
+        hydra_main()
+    except KeyboardInterrupt:
+        say("interrupted: the running arm was stopped and its worktree removed; the sweep "
+            "stopped there", sys.stderr)  # fmt: skip
+        sys.exit(130)

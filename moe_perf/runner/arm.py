@@ -1,0 +1,163 @@
+"""One arm: its resolved config, its worktree, its launch, its record.
+
+`run_arm(cfg, job, session)` is what one Hydra job does; it is importable and takes the
+composed config. A failed arm is recorded and returned (a job that raised would make Hydra
+skip the comparison at the end); Ctrl-C and SIGTERM stop the arm and are re-raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from moe_perf import frameworks, launchers
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.launchers.process import LaunchResult, run_trainer
+from moe_perf.report import record as records
+from moe_perf.report.sweep import Sweep
+from moe_perf.runner import git, outputs, preflight
+from moe_perf.runner.job import Job, repeat_suffix, say, standalone_job
+from moe_perf.runner.session import SweepSession
+
+
+def arm_config(cfg: DictConfig, sweep: Sweep) -> dict:
+    """The resolved config the trainer reads: the sweep's refs, absolute paths, no `hydra`."""
+    node = OmegaConf.create(OmegaConf.to_container(cfg, resolve=False))
+    node.refs.base, node.refs.feat = sweep.refs["base"], sweep.refs["feat"]
+    node.repo = sweep.repo
+    node.data.root = str(preflight.corpus_root(cfg, Path(sweep.repo)))
+    return OmegaConf.to_container(node, resolve=True)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops an arm as Ctrl-C does: processes stopped, worktree removed, sweep ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str) -> LaunchResult:
+    arm = str(cfg.arm.name)
+    config_path = job.arm_dir / "config.yaml"
+    launcher = launchers.get(cfg)
+    with git.worktree(sweep.repo, sweep.shas[arm], label) as worktree:
+        trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
+        return run_trainer(
+            launcher.argv(cfg, job.arm_dir, trainer.argv),
+            cwd=worktree,
+            arm_dir=job.arm_dir,
+            label=label,
+            timeout_s=float(cfg.timeout_s),
+            kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
+            max_steps=int(cfg.training.max_steps),
+            env=trainer.env,
+            failure_reason=launcher.failure_reason,
+        )
+
+
+def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, started: str,
+               t0: float, extra: dict) -> dict:  # fmt: skip
+    arm = config["arm"]["name"]
+    record = records.arm_record(
+        config=config,
+        sweep_id=sweep.sweep_id,
+        arm_dir=job.arm_dir,
+        sha=sweep.shas[arm],
+        exit_code=result.exit_code,
+        failure=result.failure,
+        steps=result.steps,
+        trainer_env=result.trainer_env,
+        started=started,
+        wall_time_s=time.perf_counter() - t0,
+        trainer_wall_s=result.trainer_wall_s,
+        extra=extra,
+    )
+    records.write_record(job.arm_dir / "metrics.json", record)
+    return record
+
+
+def report(record: dict, label: str) -> None:
+    if record["status"] == "ok":
+        s = record["summary"]
+        say(f"{label}: ok, median step {s['step_time_s']:.4f} s, {s['tokens_per_s']:,.0f} "
+            f"tokens/s, peak {s['peak_mem_gib']:.2f} GiB ({s['steps_measured']} steps measured, "
+            f"step 1 dropped)")  # fmt: skip
+    else:
+        say(f"{label}: FAILED: {record['failure']} (log: {record['log']})", sys.stderr)
+
+
+def log_to_wandb(record: dict, arm_dir: Path, cfg: DictConfig) -> None:
+    # after the trainer exited and the record is on disk: never inside the timed region
+    if str(cfg.wandb.mode) == "disabled":
+        return
+    from moe_perf.runner.wandb_log import log_arm  # wandb is imported only when it is used
+
+    log_arm(record, arm_dir, OmegaConf.to_container(cfg.wandb, resolve=True))
+
+
+def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep) -> dict:
+    label = f"{cfg.arm.name}{repeat_suffix(cfg.repeat, job.overrides)}"
+    config = arm_config(cfg, sweep)
+    moved = outputs.move_aside(job.arm_dir)
+    if moved:
+        say(f"kept the earlier run of {job.arm_dir.name} in {moved}")
+    job.arm_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(config), job.arm_dir / "config.yaml")
+    started, t0 = records.now_iso(), time.perf_counter()
+    extra = {"overrides": job.overrides, "repo": sweep.repo}
+    mismatch = outputs.check_identity(sweep, config["model"]["name"], config["tag"], label, config)
+    if mismatch:
+        (job.arm_dir / "console.log").write_text(f"not launched: {mismatch}\n")
+        result = LaunchResult(exit_code=None, failure=mismatch)
+    else:
+        say(f"{label}: {sweep.refs[cfg.arm.name]} @ {sweep.shas[cfg.arm.name][:10]}, "
+            f"{cfg.model.name} {cfg.tag} -> {job.arm_dir}")  # fmt: skip
+        try:
+            result = launch_arm(cfg, job, sweep, label)
+        except KeyboardInterrupt:
+            stopped = LaunchResult(exit_code=None, failure="interrupted (Ctrl-C/SIGTERM)")
+            report(finish_arm(job, sweep, config, stopped, started, t0, extra), label)
+            raise
+    record = finish_arm(job, sweep, config, result, started, t0, extra)
+    report(record, label)
+    log_to_wandb(record, job.arm_dir, cfg)
+    return record
+
+
+def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = None,
+            check_all_jobs=None) -> dict:  # fmt: skip
+    """Runs one arm (one Hydra job) and returns its record (also written to metrics.json).
+
+    Raises SystemExit(2) with a printed message when a prerequisite fails (nothing launched,
+    no arm directory left), KeyboardInterrupt when interrupted (processes and worktree gone).
+    """
+    job = job or standalone_job(cfg)
+    session = session or SweepSession()
+    try:
+        sweep = session.sweep_for(cfg, job, check_all_jobs)
+        preflight.check_job(cfg, Path(sweep.repo))
+    except PrerequisiteError as err:
+        outputs.remove_empty_dirs(job.arm_dir, stop=job.sweep_dir.parent)
+        say(f"cannot run: {err}", sys.stderr)
+        say("nothing was launched" + (": the sweep is stopped" if job.multirun else ""), sys.stderr)
+        raise SystemExit(2) from None
+    with sigterm_as_interrupt():
+        return run_checked_arm(cfg, job, sweep)

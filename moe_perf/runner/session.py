@@ -1,0 +1,96 @@
+"""The sweep session: what holds for a whole sweep, done once by its first job.
+
+The first job of a sweep takes the repository's lock, checks the tree and every job's
+prerequisites, resolves both refs to SHAs and writes the sweep's state; later jobs join it (in
+this process, or in a process of their own under a launcher that forks). One `SweepSession`
+per command holds the locks and the active sweep instead of module globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moe_perf.common.errors import PrerequisiteError
+from moe_perf.report import sweep as sweeps
+from moe_perf.report.record import now_iso
+from moe_perf.runner import git, preflight
+from moe_perf.runner.job import Job, say
+from moe_perf.runner.outputs import ignore_outputs
+
+
+def trainer_code_note(repo: Path, code_path: str, shas: dict) -> str | None:
+    present = {arm: git.path_in_commit(repo, sha, code_path) for arm, sha in shas.items()}
+    if all(present.values()):
+        return None
+    if not any(present.values()):
+        return (
+            f"trainer.code_path={code_path} is not in {repo}: both arms run the same (installed) "
+            f"trainer code; only what the repository itself changes can differ"
+        )
+    missing = ", ".join(arm for arm, there in present.items() if not there)
+    return f"trainer.code_path={code_path} is missing at {missing}: it runs the installed trainer"
+
+
+def announce(sweep: sweeps.Sweep, code_path: str | None) -> None:
+    short = {arm: sha[:10] for arm, sha in sweep.shas.items()}
+    say(f"sweep {sweep.sweep_id} in {sweep.repo}")
+    refs = sweep.refs
+    say(f"base = {refs['base']} @ {short['base']}, feat = {refs['feat']} @ {short['feat']}")
+    if sweep.aa_run:
+        say(f"A/A run: base and feat are the same commit {short['base']}; "
+            f"any difference is run-to-run noise")  # fmt: skip
+    note = trainer_code_note(Path(sweep.repo), code_path, sweep.shas) if code_path else None
+    if note:
+        say(note)
+
+
+@dataclass
+class SweepSession:
+    """The locks this command holds and the sweep its jobs belong to."""
+
+    locks: dict[str, git.SweepLock] = field(default_factory=dict)
+    active: sweeps.Sweep | None = None
+
+    def _lock(self, repo: Path, sweep_id: str) -> None:
+        lock = self.locks.setdefault(str(repo), git.SweepLock(repo))
+        try:
+            lock.acquire({"sweep_id": sweep_id})
+        except git.LockBusy as err:
+            raise PrerequisiteError(str(err)) from None
+
+    def sweep_for(self, cfg: Any, job: Job, check_all_jobs=None) -> sweeps.Sweep:
+        """The sweep this job belongs to: started by job 0, joined by the later jobs.
+
+        `check_all_jobs(job, repo) -> bool` checks every job of a multirun up front (the Hydra
+        app passes it); False when the sweep's jobs cannot be listed.
+        """
+        if job.num > 0:
+            if self.active is not None and Path(self.active.sweep_dir) == job.sweep_dir:
+                return self.active
+            state = sweeps.load(job.sweep_dir)
+            if state is not None:  # a later job in a process of its own
+                self._lock(Path(state.repo), state.sweep_id)
+                self.active = state
+                return state
+        self.active = self.start(cfg, job, check_all_jobs)
+        return self.active
+
+    def start(self, cfg: Any, job: Job, check_all_jobs=None) -> sweeps.Sweep:
+        repo = preflight.find_repo(str(cfg.repo), job.cwd)
+        sweep_id = sweeps.new_sweep_id()
+        ignore_outputs(repo, job.sweep_dir)
+        self._lock(repo, sweep_id)
+        try:
+            refs = {"base": cfg.refs.base, "feat": cfg.refs.feat}
+            shas = preflight.check_sweep(repo, refs)
+            if not (job.multirun and check_all_jobs and check_all_jobs(job, repo)):
+                preflight.check_job(cfg, repo)  # before the sweep's state is written
+        except BaseException:
+            self.locks.pop(str(repo)).release()
+            raise
+        sweep = sweeps.Sweep(sweep_id, str(job.sweep_dir), str(repo), refs, shas, now_iso())
+        sweeps.save(sweep)
+        announce(sweep, cfg.trainer.get("code_path"))
+        return sweep
