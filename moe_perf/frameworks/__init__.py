@@ -7,9 +7,17 @@ from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.base import Framework, TrainerLaunch
+from moe_perf.frameworks.command import CommandTrainer
+from moe_perf.frameworks.megatron import Megatron
 from moe_perf.frameworks.reference import ContractTrainer
+from moe_perf.frameworks.torchtitan import TorchTitan
 
-FRAMEWORKS: dict[str, type] = {"reference": ContractTrainer}
+FRAMEWORKS: dict[str, type] = {
+    "reference": ContractTrainer,
+    "command": CommandTrainer,
+    "torchtitan": TorchTitan,
+    "megatron": Megatron,
+}
 
 __all__ = ["FRAMEWORKS", "Framework", "TrainerLaunch", "get"]
 

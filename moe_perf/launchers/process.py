@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from moe_perf.common.contract import parse_env, parse_step
+from moe_perf.report.logformats import LogReader, ParsedLog, RunShape
 
 # torchrun --tee prefixes every worker line with its local rank: "[default0]:" (or "[rank0]:").
 _RANK_PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
@@ -35,6 +35,8 @@ class LaunchResult:
     steps: list[dict] = field(default_factory=list)
     trainer_env: dict | None = None
     trainer_wall_s: float = 0.0
+    log_format: str = "contract"
+    derivations: list[str] = field(default_factory=list)  # what was derived, in words
 
 
 def trainer_env(
@@ -53,11 +55,16 @@ def trainer_env(
 # ---- output ----------------------------------------------------------------------------------
 
 
-def progress_line(label: str, sample: dict) -> str:
-    parts = [f"[{label}] step {sample['step']}/{sample['max_steps']}"]
-    parts.append(f"{sample['step_time_s']:.4f} s")
-    parts.append(f"{sample['tokens_per_s']:,.0f} tokens/s")
-    parts.append(f"peak {sample['peak_mem_gib']:.2f} GiB")
+def shown(value: float | None, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
+
+
+def progress_line(label: str, sample: dict, max_steps: int | None = None) -> str:
+    """`[base] step 3/8  0.4121 s  159,021 tokens/s  peak 12.40 GiB  loss 10.8` (`?`: unknown)."""
+    parts = [f"[{label}] step {sample['step']}/{sample.get('max_steps') or max_steps or '?'}"]
+    parts.append(f"{shown(sample['step_time_s'], '.4f')} s")
+    parts.append(f"{shown(sample['tokens_per_s'], ',.0f')} tokens/s")
+    parts.append(f"peak {shown(sample['peak_mem_gib'], '.2f')} GiB")
     if sample.get("loss") is not None:
         parts.append(f"loss {sample['loss']:.4g}")
     return "  ".join(parts)
@@ -65,12 +72,13 @@ def progress_line(label: str, sample: dict) -> str:
 
 class _Pump:
     """Reads the launch's output: all of it to console.log, rank 0 (and torchrun) to the
-    console with the arm's label, contract lines parsed into samples."""
+    console with the arm's label, every rank's lines to the reader of the trainer's format,
+    a progress line per step in place of the step lines."""
 
-    def __init__(self, stream: TextIO, log: TextIO, label: str, echo: TextIO):
+    def __init__(self, stream: TextIO, log: TextIO, label: str, echo: TextIO,
+                 reader: LogReader, max_steps: int):  # fmt: skip
         self.stream, self.log, self.label, self.echo = stream, log, label, echo
-        self.steps: dict[int, dict] = {}
-        self.env: dict | None = None
+        self.reader, self.max_steps = reader, max_steps
         self.thread = threading.Thread(target=self._run, name=f"pump-{label}", daemon=True)
 
     def _run(self) -> None:
@@ -80,19 +88,16 @@ class _Pump:
             self._handle(line.rstrip("\n"))
 
     def _handle(self, line: str) -> None:
+        sample = self.reader.feed(line)
+        if sample is not None:
+            self._print(progress_line(self.label, sample, self.max_steps))
+            return
+        if self.reader.step_line:
+            return  # another rank's line of a step already shown
         match = _RANK_PREFIX_RE.match(line)
         if match and match.group(1) != "0":
             return  # other ranks: console.log and torchrun/ only
-        text = line[match.end() :] if match else line
-        sample = parse_step(text)
-        if sample is not None:
-            self.steps[sample["step"]] = sample  # a repeated step keeps its last line
-            self._print(progress_line(self.label, sample))
-            return
-        env = parse_env(text)
-        if env is not None:
-            self.env = env
-        self._print(f"[{self.label}] {text}")
+        self._print(f"[{self.label}] {line[match.end() :] if match else line}")
 
     def _print(self, text: str) -> None:
         self.echo.write(text + "\n")
@@ -150,17 +155,13 @@ def stop_launch(proc: subprocess.Popen, token: str, grace_s: float) -> None:
         time.sleep(0.05)
 
 
-def failure_of(exit_code: int | None, timed_out: bool, timeout_s: float, steps: dict,
+def failure_of(exit_code: int | None, timed_out: bool, timeout_s: float, parsed: ParsedLog,
                max_steps: int) -> str | None:  # fmt: skip
     if timed_out:
         return f"timed out after {timeout_s:g} s (timeout_s) and was stopped"
     if exit_code != 0:
         return f"trainer exited with code {exit_code}"
-    if not steps:
-        return "no metrics: the trainer printed no '[moe_perf] step=' lines"
-    if len(steps) < max_steps:
-        return f"only {len(steps)} of {max_steps} steps reported"
-    return None
+    return parsed.failure(max_steps)
 
 
 def run_trainer(
@@ -175,12 +176,16 @@ def run_trainer(
     env: dict[str, str] | None = None,
     failure_reason: Callable[[int | None, str], str | None] | None = None,
     echo: TextIO | None = None,
+    log_format: str = "contract",
+    shape: RunShape | None = None,
 ) -> LaunchResult:
     """Run one arm's launch to the end, saving its output in `<arm_dir>/console.log`.
 
     `env` is added to the runner's environment; `failure_reason(exit_code, console_tail)` is
-    the launcher's reading of a failed launch. KeyboardInterrupt (Ctrl-C, or SIGTERM turned
-    into one by the caller) stops every process of the launch and is re-raised.
+    the launcher's reading of a failed launch; `log_format` is how the trainer prints its
+    steps (report/logformats.py) and `shape` lets its figures be normalized. KeyboardInterrupt
+    (Ctrl-C, or SIGTERM turned into one by the caller) stops every process of the launch and
+    is re-raised.
     """
     echo = echo or sys.stdout
     token = uuid.uuid4().hex
@@ -200,7 +205,8 @@ def run_trainer(
             bufsize=1,
             start_new_session=True,  # Ctrl-C reaches us only; we stop the launch ourselves
         )
-        pump = _Pump(proc.stdout, log, label, echo)
+        reader = LogReader(log_format, shape)
+        pump = _Pump(proc.stdout, log, label, echo, reader, max_steps)
         pump.thread.start()
         timed_out = False
         try:
@@ -216,9 +222,10 @@ def run_trainer(
         wall_s = time.perf_counter() - start
         stop_launch(proc, token, kill_grace_s)  # stray workers of a finished launch, if any
         pump.thread.join(timeout=10)
-    failure = failure_of(exit_code, timed_out, timeout_s, pump.steps, max_steps)
+    parsed = reader.result()
+    failure = failure_of(exit_code, timed_out, timeout_s, parsed, max_steps)
     if failure and not timed_out and failure_reason is not None:
         tail = console_log.read_text(encoding="utf-8", errors="replace")[-8000:]
         failure = failure_reason(exit_code, tail) or failure
-    steps = [pump.steps[k] for k in sorted(pump.steps)]
-    return LaunchResult(exit_code, failure, steps, pump.env, round(wall_s, 3))
+    return LaunchResult(exit_code, failure, parsed.steps, reader.env, round(wall_s, 3),
+                        parsed.log_format, parsed.derivations)  # fmt: skip

@@ -1,8 +1,9 @@
 """`python -m moe_perf.compare`: a sweep directory, or two logs / metrics.json files.
 
 python -m moe_perf.compare SWEEP_DIR            re-print (and re-write) a sweep's comparison
-python -m moe_perf.compare BASE FEAT            two console logs or metrics.json files
-python -m moe_perf.compare BASE FEAT --format titan --tokens-per-step 8192
+python -m moe_perf.compare BASE FEAT            two console logs or metrics.json files, each
+                                                log's format detected (report/logformats.py)
+python -m moe_perf.compare BASE FEAT --global-batch 32 --seq-length 2048 --world-size 8
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from moe_perf.report import logparse
 from moe_perf.report.comparison import compare_records, compare_sweep, load_arm
+from moe_perf.report.logformats import FORMATS, RunShape, line_parser
 from moe_perf.report.render import render, write_outputs
 
 
@@ -22,16 +23,37 @@ def _short(path: Path) -> str:
     return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
 
 
-def compare_paths(
-    base: Path, feat: Path, fmt: str = "auto", out_dir: Path | None = None, **options
-) -> tuple[dict, str]:
+def _format_of(record: dict) -> str:
+    # records written before the runner read other formats all came from contract lines
+    return record.get("log_format") or "contract"
+
+
+def check_same_format(records: list[dict], paths: list[Path]) -> None:
+    """Two frameworks' figures mean different things (global or per-device tokens/s, what a
+    step is, which memory): refused, in one line."""
+    formats = [_format_of(r) for r in records]
+    if len(set(formats)) > 1:
+        shown = " and ".join(f"{p} is {f}" for p, f in zip(paths, formats, strict=True))
+        raise ValueError(
+            f"not compared: {shown}; logs of two frameworks or formats do not measure the same "
+            f"things (give two logs of one format, or --format to read both one way)"
+        )
+
+
+def compare_paths(base: Path, feat: Path, fmt: str = "auto", out_dir: Path | None = None,
+                  shape: RunShape | None = None) -> tuple[dict, str]:  # fmt: skip
     """(report, text) for two logs or metrics.json files, compared as one group."""
-    records = [load_arm(base, "base", fmt, **options), load_arm(feat, "feat", fmt, **options)]
+    records = [load_arm(base, "base", fmt, shape), load_arm(feat, "feat", fmt, shape)]
+    check_same_format(records, [base, feat])
     keys = {(r.get("model"), r.get("tag")) for r in records}
     if len(keys) > 1 or keys == {("-", "-")}:
         for record in records:  # two files named on purpose: compare them as one group
             record["model"], record["tag"] = "files", f"{_short(base)} vs {_short(feat)}"
-    notes = [f"{r['arm']}: {r['_path']} ({r.get('log_format', 'metrics.json')})" for r in records]
+    notes = []
+    for record in records:
+        how = "; ".join(record.get("derivations") or [])
+        notes.append(f"{record['arm']}: {record['_path']} ({_format_of(record)})"
+                     + (f": {how}" if how else ""))  # fmt: skip
     report = compare_records(records, notes)
     if out_dir is not None:
         write_outputs(report, out_dir)
@@ -44,11 +66,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Compare base and feat: a sweep directory, or two logs / metrics.json files.",
     )
     p.add_argument("paths", nargs="+", type=Path, help="SWEEP_DIR, or BASE FEAT")
-    p.add_argument("--format", default="auto", choices=("auto", *logparse.FORMATS))
-    p.add_argument("--seq-length", type=int, help="Megatron logs: tokens/s = batch*seq/time")
     p.add_argument(
-        "--tokens-per-step", type=float, help="torchtitan logs: tokens per step per device"
+        "--format",
+        default="auto",
+        help=f"auto (detected per file), {', '.join(FORMATS)}, or a regex with named groups",
     )
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step (all ranks)")
+    p.add_argument("--seq-length", type=int, help="tokens per sequence")
+    p.add_argument("--world-size", type=int, help="devices of the run (per-device figures)")
     p.add_argument("--out", type=Path, help="also write comparison.json/.md/.png here")
     p.add_argument("--no-write", action="store_true", help="SWEEP_DIR: print only")
     p.add_argument("--json", action="store_true", help="print comparison.json instead")
@@ -57,13 +82,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    options = {"seq_length": args.seq_length, "tokens_per_step": args.tokens_per_step}
+    shape = RunShape(args.global_batch, args.seq_length, args.world_size)
     try:
+        if args.format != "auto":
+            line_parser(args.format)  # a bad regex is named before any file is read
         if len(args.paths) == 1 and args.paths[0].is_dir():
             report, text = compare_sweep(args.paths[0], write=not args.no_write)
         elif len(args.paths) == 2:
             base, feat = args.paths
-            report, text = compare_paths(base, feat, args.format, args.out, **options)
+            report, text = compare_paths(base, feat, args.format, args.out, shape)
         else:
             print("give a sweep directory, or two files: BASE FEAT", file=sys.stderr)
             return 2

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from moe_perf.common.contract import METRICS as STEP_METRICS
-from moe_perf.report import logparse
+from moe_perf.report import logformats
 from moe_perf.report.record import ARMS, load_record, measured_steps, summarize
 from moe_perf.report.record import SCHEMA as ARM_SCHEMA
 from moe_perf.report.record import config_differences as _differences
@@ -93,9 +93,12 @@ def load_sweep(sweep_dir: Path) -> tuple[list[dict], list[str]]:
     return records, notes
 
 
-def record_from_log(path: Path, arm: str, fmt: str = "auto", **options) -> dict:
-    """An arm record (schema moe_perf.arm/1, the fields a comparison needs) from a console log."""
-    steps, used, env = logparse.parse_log(path, fmt, **options)
+def record_from_log(path: Path, arm: str, fmt: str = "auto",
+                    shape: logformats.RunShape | None = None) -> dict:  # fmt: skip
+    """An arm record (schema moe_perf.arm/1, the fields a comparison needs) from a console log,
+    its format detected (`auto`) or named, its figures normalized with the run's `shape`."""
+    parsed = logformats.parse_log(path, fmt, shape)
+    steps, failure = parsed.steps, parsed.failure(max_steps=0)
     return {
         "schema": ARM_SCHEMA,
         "model": "-",
@@ -104,18 +107,20 @@ def record_from_log(path: Path, arm: str, fmt: str = "auto", **options) -> dict:
         "repeat": 0,
         "ref": None,
         "sha": None,
-        "status": "ok" if steps else "failed",
-        "failure": None if steps else f"no per-step lines ({used} format) in the log",
+        "status": "ok" if failure is None else "failed",
+        "failure": failure,
         "log": str(Path(path).resolve()),
         "steps": steps,
         "summary": summarize(steps),
-        "environment": env,
-        "log_format": used,
+        "environment": parsed.env or {},
+        "log_format": parsed.log_format,
+        "derivations": parsed.derivations,
         "_path": str(path),
     }
 
 
-def load_arm(path: Path, arm: str, fmt: str = "auto", **options) -> dict:
+def load_arm(path: Path, arm: str, fmt: str = "auto",
+             shape: logformats.RunShape | None = None) -> dict:  # fmt: skip
     """A metrics.json file as it is, or a console log parsed into a record."""
     if path.suffix == ".json":
         record, note = load_record(path)
@@ -123,7 +128,7 @@ def load_arm(path: Path, arm: str, fmt: str = "auto", **options) -> dict:
             raise ValueError(note)
         record["arm"] = arm
         return record
-    return record_from_log(path, arm, fmt, **options)
+    return record_from_log(path, arm, fmt, shape)
 
 
 # ---- comparing -------------------------------------------------------------------------------

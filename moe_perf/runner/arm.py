@@ -20,8 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.launchers.process import LaunchResult, run_trainer
+from moe_perf.launchers.process import LaunchResult, run_trainer, shown
 from moe_perf.report import record as records
+from moe_perf.report.logformats import RunShape
 from moe_perf.report.sweep import Sweep
 from moe_perf.runner import git, outputs, preflight
 from moe_perf.runner.job import Job, repeat_suffix, say, standalone_job
@@ -70,6 +71,8 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str) -> LaunchRes
             max_steps=int(cfg.training.max_steps),
             env=trainer.env,
             failure_reason=launcher.failure_reason,
+            log_format=trainer.log_format,
+            shape=RunShape.of_config(cfg),
         )
 
 
@@ -88,7 +91,7 @@ def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, start
         started=started,
         wall_time_s=time.perf_counter() - t0,
         trainer_wall_s=result.trainer_wall_s,
-        extra=extra,
+        extra={**extra, "log_format": result.log_format, "derivations": result.derivations},
     )
     records.write_record(job.arm_dir / "metrics.json", record)
     return record
@@ -97,8 +100,9 @@ def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, start
 def report(record: dict, label: str) -> None:
     if record["status"] == "ok":
         s = record["summary"]
-        say(f"{label}: ok, median step {s['step_time_s']:.4f} s, {s['tokens_per_s']:,.0f} "
-            f"tokens/s, peak {s['peak_mem_gib']:.2f} GiB ({s['steps_measured']} steps measured, "
+        say(f"{label}: ok, median step {shown(s['step_time_s'], '.4f')} s, "
+            f"{shown(s['tokens_per_s'], ',.0f')} tokens/s, peak "
+            f"{shown(s['peak_mem_gib'], '.2f')} GiB ({s['steps_measured']} steps measured, "
             f"step 1 dropped)")  # fmt: skip
     else:
         say(f"{label}: FAILED: {record['failure']} (log: {record['log']})", sys.stderr)

@@ -1,0 +1,179 @@
+"""End to end, each log format through `trainer=command`: the real `python -m moe_perf ... -m
+arm=base,feat` under torchrun, in a temporary git repository whose stand-in trainer prints its
+steps as torchtitan, Megatron-LM, NeMo 2.0 or a user's own format does; its feature branch is
+slower per step. The runner must read each format during the sweep, normalize and record it."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import commit, git, make_repo, moe_perf, sweep_dir
+
+pytestmark = pytest.mark.slow
+TAG = "pp1-dp1-cp1-ep1-seq64-bf16"
+
+# Prints one step line per optimizer step in the format named by argv[1], with the line formats
+# of the frameworks' own logging code. No torch: the launch itself is what is under test.
+STAND_IN = textwrap.dedent(
+    '''
+    """A stand-in trainer: sleeps SLEEP_S per step and prints it in a framework's format."""
+    import datetime
+    import os
+    import sys
+    import time
+
+    SLEEP_S = 0.02
+    fmt, steps, gbs, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    fmt = fmt if fmt in ("torchtitan", "megatron", "nemo") else "mine"  # else: a user's regex
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    ESC = "\\x1b"
+
+    def stamp(sep=","):
+        now = datetime.datetime.now()
+        return now.strftime("%Y-%m-%d %H:%M:%S") + sep + f"{now.microsecond // 1000:03d}"
+
+    print(f"rank {rank} of {world} starting", flush=True)
+    last = time.perf_counter()
+    for step in range(1, steps + 1):
+        time.sleep(SLEEP_S)
+        now = time.perf_counter()
+        seconds, last = now - last, now
+        if fmt == "torchtitan":  # every rank prints; tps per device; colours; a validation line
+            tps = gbs * seq / world / seconds
+            print(f"[titan] {stamp()} - root - INFO - {ESC}[31mstep: {step:2}  {ESC}[32mloss: "
+                  f" 7.5000  {ESC}[38;2;180;60;0mgrad_norm:  1.0000  {ESC}[38;2;54;234;195m"
+                  f"memory: {1.5 + rank:5.2f}GiB(1.00%)  {ESC}[34mtps: {round(tps):,}  "
+                  f"{ESC}[36mtflops: 0.00  {ESC}[35mmfu: N/A{ESC}[39m", flush=True)
+            if step == 2:
+                print(f"[titan] {stamp()} - root - INFO - {ESC}[33mvalidate step: {step:2}  "
+                      f"{ESC}[32mloss:  9.0000  {ESC}[34mtps: 1{ESC}[39m", flush=True)
+        elif fmt == "megatron" and rank == world - 1:  # the last pipeline rank prints
+            skipped = 1 if step == 3 else 0
+            print(f" [{stamp('.')}] iteration {step:8d}/{steps:8d} | consumed samples: "
+                  f"{step * gbs:12d} | elapsed time per iteration (ms): {seconds * 1000:.1f} | "
+                  f"throughput per GPU (TFLOP/s/GPU): 12.5 | learning rate: 3.000000E-04 | "
+                  f"global batch size: {gbs:5d} | lm loss: 7.500000E+00 | loss scale: 1.0 | "
+                  f"number of skipped iterations: {skipped:3d} | number of nan iterations:   0 |",
+                  flush=True)
+            if step == 2:
+                print("[Rank 0] (after 2 iterations) memory (MB) | allocated: 100.00 | max "
+                      "allocated: 200.00 | reserved: 300.00 | max reserved: 2048.00", flush=True)
+        elif fmt == "nemo" and rank == 0:
+            print(f"Training epoch 0, iteration {step - 1}/{steps - 1} | lr: 0.0003 | "
+                  f"global_batch_size: {gbs} | global_step: {step - 1} | reduced_train_loss: 7.5"
+                  f" | train_step_timing in s: {seconds:.4} | consumed_samples: {step * gbs}",
+                  flush=True)
+            if step == 2:
+                print("[Rank 0] (after 2 iterations) memory (GB) | mem-allocated-gigabytes: 1.0 "
+                      "| mem-max-reserved-gigabytes: 3.5", flush=True)
+        elif fmt == "mine" and rank == 0:
+            print(f"iter {step} took {seconds * 1000:.2f} ms, peak {512 * step} MB", flush=True)
+    print(f"rank {rank} done", flush=True)
+    '''
+)
+# A user's own format; no backslashes, so it passes through a Hydra override as it is.
+MINE = (
+    "iter (?P<step>[0-9]+) took (?P<step_time_ms>[0-9.]+) ms, peak (?P<memory>[0-9]+) "
+    "(?P<memory_unit>MB)"
+)
+
+
+def stand_in_repo(path: Path) -> Path:
+    """`main` with the stand-in; `feature` (checked out) sleeps 0.06 s more per step."""
+    make_repo(path, {"fake/train.py": STAND_IN, ".gitignore": "__pycache__/\n"})
+    git(path, "checkout", "-q", "-b", "feature")
+    commit(path, {"fake/train.py": STAND_IN.replace("SLEEP_S = 0.02", "SLEEP_S = 0.08")}, "slow")
+    return path
+
+
+def sweep(repo: Path, log_format: str, *overrides: str):
+    # braces are Hydra's dict syntax: a placeholder goes in quotes
+    command = ("trainer.command=[fake/train.py,'{trainer.log_format}','{training.max_steps}',"
+               "'{training.global_batch}','{training.sequence_length}']")  # fmt: skip
+    return moe_perf(
+        repo, "trainer=command", command,
+        f"trainer.log_format='{log_format}'", "training.sequence_length=64",
+        "training.global_batch=4", "training.max_steps=6", "wandb.mode=disabled",
+        "timeout_s=120", *overrides, "-m", "arm=base,feat",
+    )  # fmt: skip
+
+
+def records(repo: Path, tag: str = TAG) -> dict[str, dict]:
+    arms = sweep_dir(repo) / "tiny"
+    return {
+        a: json.loads((arms / f"{tag}-{a}" / "metrics.json").read_text()) for a in ("base", "feat")
+    }
+
+
+def assert_feat_slower(repo: Path, result) -> dict:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (group,) = json.loads((sweep_dir(repo) / "comparison.json").read_text())["groups"]
+    assert group["status"] == "compared", group
+    assert group["difference"]["step_time_s"]["words"] == "slower"
+    assert group["difference"]["tokens_per_s"]["words"] == "slower"
+    return group
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    return stand_in_repo(tmp_path_factory.mktemp("formats") / "repo")
+
+
+def test_torchtitan_every_rank_per_device_tps(repo):
+    result = sweep(repo, "torchtitan", "mesh=ep2")
+    assert_feat_slower(repo, result)
+    tag = "pp1-dp2-cp1-ep2-seq64-bf16"
+    for arm, rec in records(repo, tag).items():
+        assert rec["status"] == "ok" and rec["log_format"] == "torchtitan"
+        assert [s["step"] for s in rec["steps"]] == [1, 2, 3, 4, 5, 6]  # validate line ignored
+        step = rec["steps"][2]
+        assert step["peak_mem_gib"] == pytest.approx(2.5)  # rank 1's, the larger
+        assert step["tflops"] is None  # `tflops: 0.00` is unknown
+        # per-device tps brought to global: 4 x 64 tokens per step over the step time
+        assert step["tokens_per_s"] == pytest.approx(4 * 64 / step["step_time_s"], rel=1e-6)
+        assert any("per device" in d for d in rec["derivations"])
+        assert any("validate step" in d for d in rec["derivations"])
+        assert f"[{arm}] step 3/6" in result.stdout
+    assert records(repo, tag)["feat"]["summary"]["step_time_s"] > 0.06
+
+
+def test_megatron_skipped_iteration_and_memory_report(repo):
+    result = sweep(repo, "megatron")
+    assert_feat_slower(repo, result)
+    for rec in records(repo).values():
+        assert rec["status"] == "ok" and rec["log_format"] == "megatron"
+        assert [s["step"] for s in rec["steps"]] == [1, 2, 4, 5, 6]  # 3 was skipped
+        assert rec["steps"][1]["peak_mem_gib"] == pytest.approx(2.0)
+        assert rec["steps"][1]["tflops"] == pytest.approx(12.5)
+        assert any("skipped" in d for d in rec["derivations"])
+
+
+def test_nemo_lines(repo):
+    result = sweep(repo, "nemo")
+    assert_feat_slower(repo, result)
+    for rec in records(repo).values():
+        assert rec["status"] == "ok" and rec["log_format"] == "nemo"
+        assert [s["step"] for s in rec["steps"]] == [1, 2, 3, 4, 5, 6]
+        assert rec["steps"][3]["peak_mem_gib"] == pytest.approx(3.5e9 / 2**30)
+
+
+def test_a_users_regex(repo):
+    result = sweep(repo, MINE)
+    assert_feat_slower(repo, result)
+    for rec in records(repo).values():
+        assert rec["status"] == "ok" and rec["log_format"] == MINE
+        assert rec["steps"][3]["peak_mem_gib"] == pytest.approx(2048e6 / 2**30)
+        assert rec["steps"][3]["tokens_per_s"] == pytest.approx(
+            4 * 64 / rec["steps"][3]["step_time_s"]
+        )
+
+
+def test_unknown_placeholder_is_a_one_line_prerequisite_error(repo):
+    result = moe_perf(repo, "trainer=command", "trainer.command=[fake/train.py,'{mesh.tp}']",
+                      "wandb.mode=disabled", "-m", "arm=base,feat")  # fmt: skip
+    assert result.returncode == 2
+    assert "trainer.command: unknown placeholder {mesh.tp}: no key mesh.tp" in result.stderr
+    assert "nothing was launched" in result.stderr
