@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from moe_perf import contract  # noqa: E402
+from moe_perf.common import contract  # noqa: E402
 
 
 def make_config(args) -> dict:
