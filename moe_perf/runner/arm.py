@@ -24,7 +24,7 @@ from moe_perf.launchers.process import LaunchResult, run_trainer, shown
 from moe_perf.report import record as records
 from moe_perf.report.logformats import RunShape
 from moe_perf.report.sweep import Sweep
-from moe_perf.runner import git, outputs, preflight
+from moe_perf.runner import dryrun, git, outputs, preflight
 from moe_perf.runner.job import Job, repeat_suffix, say, standalone_job
 from moe_perf.runner.session import SweepSession
 
@@ -152,16 +152,25 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
 
     Raises SystemExit(2) with a printed message when a prerequisite fails (nothing launched,
     no arm directory left), KeyboardInterrupt when interrupted (processes and worktree gone).
+    With `dry_run=true` it returns the arm's launch plan instead (nothing launched or written).
     """
     job = job or standalone_job(cfg)
     session = session or SweepSession()
+    dry_run = bool(cfg.get("dry_run", False))
     try:
         sweep = session.sweep_for(cfg, job, check_all_jobs)
         preflight.check_job(cfg, Path(sweep.repo))
+        dryrun.check_host(cfg, dry_run)
     except PrerequisiteError as err:
         outputs.remove_empty_dirs(job.arm_dir, stop=job.sweep_dir.parent)
         say(f"cannot run: {err}", sys.stderr)
         say("nothing was launched" + (": the sweep is stopped" if job.multirun else ""), sys.stderr)
         raise SystemExit(2) from None
+    if dry_run:
+        label = f"{cfg.arm.name}{repeat_suffix(cfg.repeat, job.overrides)}"
+        try:
+            return dryrun.preview_arm(cfg, job, sweep, label)
+        finally:
+            outputs.remove_empty_dirs(job.arm_dir, stop=job.sweep_dir.parent)
     with sigterm_as_interrupt():
         return run_checked_arm(cfg, job, sweep)

@@ -40,6 +40,10 @@ class CompareCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = None
+        if OmegaConf.select(config, "dry_run", default=False):
+            print("[moe_perf] dry run: nothing was launched, so there is nothing to compare",
+                  flush=True)  # fmt: skip
+            return
         try:
             sweep_dir = sweep_dir_of(config)
             # Imported here: the comparison pulls in matplotlib, which the jobs never need.

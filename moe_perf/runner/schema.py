@@ -86,6 +86,7 @@ class MoePerfConfig:
     refs: RefsConfig = field(default_factory=RefsConfig)
     repeat: int = MISSING
     timeout_s: float = MISSING
+    dry_run: bool = False
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
