@@ -116,7 +116,7 @@ def test_harness_benchmark_on_cpu(tmp_path):
         assert 0 < sweep["harness_overhead_per_arm_s"] < 30
         assert all(a["in_arm_overhead_s"] >= 0 for a in sweep["arms"])
         (group,) = sweep["groups"]
-        assert group["status"] == "compared" and group["tag"] == "pp1-dp1-cp1-ep1-seq64-bf16"
+        assert group["status"] == "compared" and group["tag"] == "pp1-dp1-cp1-ep1-seq64-fp32"
     assert 0 < report["harness_overhead_per_arm_s"]["aa"] < 30
 
     aa = sweeps["aa"]

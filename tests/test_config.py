@@ -70,9 +70,9 @@ def test_refs_feat_defaults_to_the_checked_out_branch(repo, monkeypatch):
 def test_tag_of_the_issue_example():
     cfg = composed("model=qwen3-30b-a3b", "mesh=pp2_ep8")
     assert cfg.tag == "pp2-dp8-cp1-ep8-seq2048-bf16"
-    assert composed("mesh=pp2_ep8", "dtype=fp8").tag == "pp2-dp8-cp1-ep8-seq2048-fp8"
+    assert composed("mesh=pp2_ep8", "dtype=fp8").tag == "pp2-dp8-cp1-ep8-seq512-fp8"
     assert composed("mesh=cp2_ep4", "training.sequence_length=4096").tag == (
-        "pp1-dp4-cp2-ep4-seq4096-bf16"
+        "pp1-dp4-cp2-ep4-seq4096-fp32"
     )
 
 

@@ -29,7 +29,7 @@ from moe_perf.runner import git as gitops
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-TAG = "pp1-dp1-cp1-ep1-seq64-bf16"
+TAG = "pp1-dp1-cp1-ep1-seq64-fp32"
 
 
 def record(arm_dir: Path) -> dict:
@@ -93,10 +93,10 @@ def test_two_meshes_give_two_comparisons(ab_repo):
     result = moe_perf(ab_repo, *SMALL_RUN, "-m", "mesh=single,ep2", "arm=base,feat")
     assert_ok(result)
     groups = {g["tag"]: g for g in comparison(ab_repo)["groups"]}
-    assert set(groups) == {TAG, "pp1-dp2-cp1-ep2-seq64-bf16"}
+    assert set(groups) == {TAG, "pp1-dp2-cp1-ep2-seq64-fp32"}
     for group in groups.values():
         assert group["difference"]["step_time_s"]["words"] == "slower"
-    ep2 = record(sweep_dir(ab_repo) / "tiny" / "pp1-dp2-cp1-ep2-seq64-bf16-base")
+    ep2 = record(sweep_dir(ab_repo) / "tiny" / "pp1-dp2-cp1-ep2-seq64-fp32-base")
     assert ep2["environment"]["world_size"] == 2
     ep2_dir = Path(ep2["arm_dir"])
     assert len(list((ep2_dir / "torchrun").rglob("stdout.log"))) == 2
@@ -218,7 +218,7 @@ def test_reference_trainer_runs_each_arms_own_code(tmp_path):
     assert_ok(result)
     assert "both arms run the same" not in result.stdout
     arms = tmp_path / "outputs" / "validate-performance" / "tiny"
-    base, feat = (record(arms / f"pp1-dp1-cp1-ep1-seq64-bf16-{arm}") for arm in ("base", "feat"))
+    base, feat = (record(arms / f"pp1-dp1-cp1-ep1-seq64-fp32-{arm}") for arm in ("base", "feat"))
     assert base["status"] == feat["status"] == "ok"
     assert feat["summary"]["step_time_s"] > base["summary"]["step_time_s"] + 0.2
     assert base["summary"]["tflops"] is not None  # the reference trainer's optional fields
@@ -246,7 +246,7 @@ def test_reference_trainer_runs_the_pp_and_cp_presets(tmp_path):
     result = moe_perf(repo, *small, "-m", "mesh=pp2_ep2,cp2_ep2", "arm=base")
     assert_ok(result)
     arms = sweep_dir(repo) / "tiny"
-    for tag in ("pp2-dp2-cp1-ep2-seq64-bf16", "pp1-dp2-cp2-ep2-seq64-bf16"):
+    for tag in ("pp2-dp2-cp1-ep2-seq64-fp32", "pp1-dp2-cp2-ep2-seq64-fp32"):
         rec = record(arms / f"{tag}-base")
         assert rec["status"] == "ok", rec.get("failure")
         assert rec["environment"]["world_size"] == 4

@@ -13,7 +13,7 @@ import pytest
 from conftest import commit, git, make_repo, moe_perf, sweep_dir
 
 pytestmark = pytest.mark.slow
-TAG = "pp1-dp1-cp1-ep1-seq64-bf16"
+TAG = "pp1-dp1-cp1-ep1-seq64-fp32"
 
 # Prints one step line per optimizer step in the format named by argv[1], with the line formats
 # of the frameworks' own logging code. No torch: the launch itself is what is under test.
@@ -125,7 +125,7 @@ def repo(tmp_path_factory) -> Path:
 def test_torchtitan_every_rank_per_device_tps(repo):
     result = sweep(repo, "torchtitan", "mesh=ep2")
     assert_feat_slower(repo, result)
-    tag = "pp1-dp2-cp1-ep2-seq64-bf16"
+    tag = "pp1-dp2-cp1-ep2-seq64-fp32"
     for arm, rec in records(repo, tag).items():
         assert rec["status"] == "ok" and rec["log_format"] == "torchtitan"
         assert [s["step"] for s in rec["steps"]] == [1, 2, 3, 4, 5, 6]  # validate line ignored

@@ -26,7 +26,7 @@ from moe_perf.launchers import slurm
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / ".ci" / "setup_slurm.sh"
 MESH = "ep2"  # two ranks per node: torchrun really spawns a group under srun
-TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
+TAG = "pp1-dp2-cp1-ep2-seq64-fp32"
 AB = [*SMALL_RUN, f"mesh={MESH}", "-m", "arm=base,feat"]
 USABLE_STATES = ("idle", "mixed", "allocated", "completing")
 
