@@ -1,115 +1,72 @@
-"""Where a profiled training step's GPU time goes, from the trainer's Chrome trace.
+"""Where a profiled training step's time goes, from one Chrome trace (or an arm's explain/).
 
     python bench/profile_summary.py outputs/bench/profile/trace_rank0.json --steps 2
+    python bench/profile_summary.py <arm dir>/explain/trace_rank0.json
 
-The trainer writes the trace with `trainer.profile_steps=N` (bench_trainer.py --profile N).
-This reads the GPU kernels of the trace, groups them by category (name patterns below), and
-prints per step: milliseconds and share of GPU busy time per category, the top kernels, and
-how much of the profiled span the GPU sat idle (idle = host-bound: launches, syncs, Python).
+The trainer writes traces with `trainer.profile_steps=N` (bench_trainer.py --profile N) or
+`explain=true` (`<arm dir>/explain/`, one ProfilerStep#i span per step). The categories and
+their rules are the comparison's own (moe_perf/report/explain.py): on GPU the device kernels,
+attributed through their launching CPU op, plus the GPU's idle time in the step; on CPU the
+ops' self time plus the time outside any op. `--steps` divides a trace without step markers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
-from collections import defaultdict
+import statistics
 from pathlib import Path
 
-# First match wins; patterns are searched in the lower-cased kernel name.
-CATEGORIES = (
-    ("communication (NCCL)", r"nccl"),
-    ("attention (flash/cuDNN)", r"flash|fmha|attention|sdpa|cudnn"),
-    ("optimizer (foreach/Adam)", r"multi_tensor_apply|foreach|adam"),
-    ("routing: sort/scan/scatter/gather", r"sort|radix|scan|scatter|gather|index|cumsum|topk"),
-    ("GEMM (dense and grouped)", r"gemm|cutlass|xmma|nvjet|cublas|sm90_|sm100_|wgmma|matmul"),
-    ("compiled fused (triton)", r"triton"),
-    ("copies/casts/memset", r"memcpy|memset|copy|cast|fill"),
-    ("elementwise/reductions/norms", r"elementwise|vectorized|reduce|softmax|norm|unrolled"),
-)
+from moe_perf.report.explain import CATEGORIES, read_trace, trace_breakdown
 
 
-def categorize(name: str) -> str:
-    low = name.lower()
-    for label, pattern in CATEGORIES:
-        if re.search(pattern, low):
-            return label
-    return "other"
-
-
-def gpu_kernels(trace: dict) -> list[dict]:
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return [
-        e
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-    ]
-
-
-def busy_time(kernels: list[dict]) -> tuple[float, float]:
-    """(union of kernel intervals, span first start to last end), microseconds."""
-    spans = sorted((k["ts"], k["ts"] + k["dur"]) for k in kernels)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    return busy, (spans[-1][1] - spans[0][0]) if spans else 0.0
-
-
-def summarize(trace_path: Path, steps: int, top: int = 15) -> dict:
-    kernels = gpu_kernels(json.loads(trace_path.read_text()))
-    by_cat: dict[str, float] = defaultdict(float)
-    by_name: dict[str, list] = defaultdict(lambda: [0.0, 0])
-    for k in kernels:
-        by_cat[categorize(k["name"])] += k["dur"]
-        by_name[k["name"]][0] += k["dur"]
-        by_name[k["name"]][1] += 1
-    total = sum(by_cat.values())
-    busy, span = busy_time(kernels)
+def summarize(trace_path: Path, steps: int | None = None, top: int = 15) -> dict:
+    """Median ms per step by category and by op/kernel name (names carry their category)."""
+    b = trace_breakdown(read_trace(trace_path), steps)
+    step_ms = statistics.median(b["step_ms"]) if b["step_ms"] else 0.0
+    cats = {k: statistics.median(v) for k, v in b["categories"].items() if v and any(v)}
+    names = {n: statistics.median(v) for n, v in b["names"].items()}
     return {
-        "steps": steps,
-        "kernel_ms_per_step": total / 1e3 / steps,
-        "busy_ms_per_step": busy / 1e3 / steps,
-        "span_ms_per_step": span / 1e3 / steps,
-        "idle_fraction": 1 - busy / span if span else None,
+        "device": b["device"],
+        "steps": b["steps"],
+        "step_markers": b["step_markers"],
+        "step_ms": step_ms,
         "categories": {
-            c: {"ms_per_step": t / 1e3 / steps, "share": t / total}
-            for c, t in sorted(by_cat.items(), key=lambda kv: -kv[1])
+            label: {"ms_per_step": cats[key], "share": cats[key] / step_ms if step_ms else None}
+            for key, label in CATEGORIES
+            if key in cats
         },
-        "top_kernels": [
-            {"name": n[:140], "ms_per_step": t / 1e3 / steps, "calls_per_step": c / steps}
-            for n, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+        "top": [
+            {"name": n, "ms_per_step": t}
+            for n, t in sorted(names.items(), key=lambda kv: -kv[1])[:top]
         ],
     }
 
 
 def to_markdown(s: dict) -> str:
+    unit = "GPU kernels" if s["device"] == "cuda" else "CPU ops (self time)"
+    how = "median of steps" if s["step_markers"] else "the trace's mean over its steps"
     lines = [
-        f"GPU busy {s['busy_ms_per_step']:.1f} ms of a {s['span_ms_per_step']:.1f} ms span per "
-        f"step (idle {100 * (s['idle_fraction'] or 0):.1f}%)",
+        f"{s['steps']} profiled step(s) on {s['device']}, {unit}; {s['step_ms']:.2f} ms per "
+        f"step ({how})",
         "",
-        "| category | ms/step | share of kernel time |",
+        "| category | ms/step | share of the step |",
         "|---|---:|---:|",
     ]
-    for c, v in s["categories"].items():
-        lines.append(f"| {c} | {v['ms_per_step']:.1f} | {100 * v['share']:.1f}% |")
-    lines += ["", "| top kernel | ms/step | calls/step |", "|---|---:|---:|"]
-    for k in s["top_kernels"]:
+    for label, v in s["categories"].items():
+        share = "-" if v["share"] is None else f"{100 * v['share']:.1f}%"
+        lines.append(f"| {label} | {v['ms_per_step']:.2f} | {share} |")
+    lines += ["", "| top op or kernel [category] | ms/step |", "|---|---:|"]
+    for k in s["top"]:
         name = k["name"].replace("|", "\\|")
-        lines.append(f"| `{name}` | {k['ms_per_step']:.2f} | {k['calls_per_step']:.0f} |")
+        lines.append(f"| `{name}` | {k['ms_per_step']:.3f} |")
     return "\n".join(lines)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace", type=Path)
-    p.add_argument("--steps", type=int, default=1, help="steps the trace covers")
+    p.add_argument("--steps", type=int, default=None, help="steps a trace without markers covers")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--json", type=Path, help="also write the summary here")
     args = p.parse_args()

@@ -56,15 +56,14 @@ def test_profile_summary_categories_and_idle(tmp_path):
     path.write_text(json.dumps(trace))
     s = profile_summary.summarize(path, steps=2)
     cats = s["categories"]
-    assert cats["GEMM (dense and grouped)"]["ms_per_step"] == pytest.approx(0.3)
-    assert cats["communication (NCCL)"]["ms_per_step"] == pytest.approx(0.1)
-    assert set(cats) == {
-        "GEMM (dense and grouped)",
-        "communication (NCCL)",
-        "compiled fused (triton)",
-        "optimizer (foreach/Adam)",
-    }
-    # busy = [0, 700] + [1000, 1100] + [1200, 1300] = 900 us of a 1300 us span
-    assert s["busy_ms_per_step"] == pytest.approx(0.45)
-    assert s["idle_fraction"] == pytest.approx(400 / 1300)
-    assert "| GEMM (dense and grouped) | 0.3 |" in profile_summary.to_markdown(s)
+    assert cats["dense GEMM"]["ms_per_step"] == pytest.approx(0.3)
+    assert cats["all-to-all"]["ms_per_step"] == pytest.approx(0.1)
+    assert cats["norms/elementwise"]["ms_per_step"] == pytest.approx(0.05)  # triton fused
+    assert cats["optimizer"]["ms_per_step"] == pytest.approx(0.05)
+    # no step markers: the step is the CPU op's 5000 us span over 2 steps; the GPU is busy
+    # [0, 700] + [1000, 1100] + [1200, 1300] = 900 us of it, idle the rest
+    assert s["step_ms"] == pytest.approx(2.5)
+    assert cats["host gaps/idle"]["ms_per_step"] == pytest.approx(4.1 / 2)
+    assert set(cats) == {"dense GEMM", "all-to-all", "norms/elementwise", "optimizer",
+                         "host gaps/idle"}  # fmt: skip
+    assert "| dense GEMM | 0.30 | 12.0% |" in profile_summary.to_markdown(s)
