@@ -258,10 +258,13 @@ def test_non_finite_and_negative_values_are_never_results():
     parsed = parse_lines(["step 1 t=nan tok=-5", "step 2 t=inf tok=100"], spec)
     assert all(s["step_time_s"] is None for s in parsed.steps)
     assert parsed.steps[0]["tokens_per_s"] is None and parsed.steps[1]["tokens_per_s"] == 100
-    assert parsed.failure(2).startswith("no step time")
+    assert parsed.failure(2) == (
+        "bad step lines, so no figure of this run is used: step 1: step_time_s=nan is not a "
+        "positive number; step 1: tokens_per_s=-5 is not a positive number (and 1 more)"
+    )
 
 
-def test_contract_reads_rank_zero_and_keeps_the_last_repeat():
+def test_contract_reads_rank_zero_and_fails_a_changed_repeat():
     def line(step, t):
         return format_step(step, 3, step_time_s=t, tokens_per_s=1 / t, peak_mem_gib=1.0)
 
@@ -269,10 +272,13 @@ def test_contract_reads_rank_zero_and_keeps_the_last_repeat():
     assert reader.feed("[rank0]:" + line(1, 0.5))["step"] == 1
     assert reader.feed("[rank1]:" + line(1, 9.0)) is None  # other ranks: console.log only
     reader.feed("[rank0]:" + line(2, 0.4))
-    reader.feed("[rank0]:" + line(2, 0.3))
+    reader.feed("[rank0]:" + line(2, 0.4))  # the same line again: dropped with a note
     parsed = reader.result()
-    assert [s["step_time_s"] for s in parsed.steps] == [0.5, 0.3]
-    assert parsed.derivations == [] and parsed.failure(3) == "only 2 of 3 steps reported"
+    assert [s["step_time_s"] for s in parsed.steps] == [0.5, 0.4]
+    assert parsed.derivations == ["step line(s) printed twice, the repeat dropped: step(s) 2"]
+    assert parsed.failure(3) == "only 2 of 3 steps reported"
+    reader.feed("[rank0]:" + line(2, 0.3))  # other values: which one is right is unknown
+    assert "step 2 printed twice with different values" in reader.result().failure(3)
 
 
 def test_detection_of_each_format():

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from moe_perf.launchers.failures import LaunchFailure, describe, read_failure
 from moe_perf.report.logformats import LogReader, ParsedLog, RunShape
 
 # torchrun --tee prefixes every worker line with its local rank: "[default0]:" (or "[rank0]:").
@@ -38,6 +39,7 @@ class LaunchResult:
     log_format: str = "contract"
     derivations: list[str] = field(default_factory=list)  # what was derived, in words
 
+    launch_exit_code: int | None = None  # the launcher's own (torchrun's, srun's) exit status
 
 def trainer_env(
     worktree: Path, arm_dir: Path, token: str, extra: dict[str, str] | None = None
@@ -156,11 +158,11 @@ def stop_launch(proc: subprocess.Popen, token: str, grace_s: float) -> None:
 
 
 def failure_of(exit_code: int | None, timed_out: bool, timeout_s: float, parsed: ParsedLog,
-               max_steps: int) -> str | None:  # fmt: skip
+               max_steps: int, launch: LaunchFailure) -> str | None:  # fmt: skip
     if timed_out:
         return f"timed out after {timeout_s:g} s (timeout_s) and was stopped"
     if exit_code != 0:
-        return f"trainer exited with code {exit_code}"
+        return describe(exit_code, launch)
     return parsed.failure(max_steps)
 
 
@@ -223,9 +225,19 @@ def run_trainer(
         stop_launch(proc, token, kill_grace_s)  # stray workers of a finished launch, if any
         pump.thread.join(timeout=10)
     parsed = reader.result()
-    failure = failure_of(exit_code, timed_out, timeout_s, parsed, max_steps)
+    launch = LaunchFailure(None, None, None, None)
+    if exit_code != 0 and not timed_out:
+        launch = read_failure(_tail(console_log, 256 * 1024))
+    failure = failure_of(exit_code, timed_out, timeout_s, parsed, max_steps, launch)
     if failure and not timed_out and failure_reason is not None:
-        tail = console_log.read_text(encoding="utf-8", errors="replace")[-8000:]
-        failure = failure_reason(exit_code, tail) or failure
-    return LaunchResult(exit_code, failure, parsed.steps, reader.env, round(wall_s, 3),
-                        parsed.log_format, parsed.derivations)  # fmt: skip
+        failure = failure_reason(exit_code, _tail(console_log, 8000)) or failure
+    # the trainer's own exit code where torchrun reported it (torchrun itself exits 1)
+    trainer_code = launch.exit_code if launch.exit_code is not None else exit_code
+    return LaunchResult(trainer_code, failure, parsed.steps, reader.env, round(wall_s, 3),
+                        parsed.log_format, parsed.derivations, exit_code)  # fmt: skip
+
+
+def _tail(path: Path, size: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - size))
+        return f.read().decode("utf-8", errors="replace")

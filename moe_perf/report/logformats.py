@@ -31,6 +31,11 @@ time where the shape is known); a step printed by several ranks is one step, wit
 rank's time and the largest memory; values averaged over a log interval longer than one step
 are flagged (`interval_steps`); non-finite or negative values and 0 TFLOP/s or MFU are unknown
 (None). `ParsedLog.derivations` says, in words, what was derived and how. Pure Python.
+
+Validation, before a line counts: a step time or tokens/s that is printed but not a positive
+finite number, a step beyond the line's own `/N`, a step printed after a later one, or a step
+printed twice with different values by the same rank is a `problem`: the log cannot stand as a
+result (`ParsedLog.failure`). The same line printed twice is dropped with a note.
 """
 
 from __future__ import annotations
@@ -314,6 +319,11 @@ def _positive(value: float | None) -> float | None:
     return value if value else None
 
 
+def _values(raw: dict) -> dict:
+    """A step line's figures, for telling a repeated line from a different one."""
+    return {k: v for k, v in raw.items() if k != "timestamp"}
+
+
 def _combine(raws: list[dict]) -> dict:
     """One step printed by several ranks (or repeated): the slowest rank's time and throughput,
     the largest memory, the first loss that is a loss (non-last pipeline stages print none)."""
@@ -348,9 +358,19 @@ class ParsedLog:
     env: dict | None = None
     skipped_steps: list[int] = field(default_factory=list)
     steps_reported: int = 0  # step numbers printed, skipped ones included
+    problems: list[str] = field(default_factory=list)  # lines that make the log no result
 
     def failure(self, max_steps: int) -> str | None:
         """Why this log cannot stand as an arm's result, or None."""
+        problems = list(self.problems)
+        beyond = [s["step"] for s in self.steps if max_steps and s["step"] > max_steps]
+        if beyond:
+            problems.append(f"step {beyond[0]} is beyond training.max_steps={max_steps}")
+        if problems:
+            more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+            return "bad step lines, so no figure of this run is used: " + "; ".join(
+                problems[:2]
+            ) + more
         if not self.steps_reported:
             if self.log_format == "contract":
                 return "no metrics: the trainer printed no '[moe_perf] step=' lines"
@@ -381,6 +401,9 @@ class LogReader:
         self._memory: list[float] = []
         self._validation_lines = 0
         self._nemo_offset: int | None = None
+        self._last: dict[int | None, dict] = {}  # per rank: the last step line it printed
+        self._dropped_repeats: list[int] = []
+        self.problems: list[str] = []
         self.env: dict | None = None
         self.step_line = False
 
@@ -402,6 +425,9 @@ class LogReader:
             return None
         if self.log_format == "nemo":
             raw["step"] = self._nemo_step(raw)
+        self._check_values(raw)
+        if rank is not None and not self._in_order(rank, raw):
+            return None  # without a rank prefix every rank's line looks alike: no order check
         new = raw["step"] not in self._raws
         self._raws.setdefault(raw["step"], []).append(raw)
         if not new:
@@ -419,12 +445,42 @@ class LogReader:
             if env is not None:
                 self.env = env
             return None
+        if sample["step"] > sample["max_steps"]:
+            self.problems.append(f"step {sample['step']} is beyond its own /{sample['max_steps']}")
+        self._check_values(sample)
+        if not self._in_order(rank, sample):
+            return None
         for key in METRIC_KEYS:
             if key in sample:
                 unknown_if_zero = key in ("tflops", "mfu")
                 sample[key] = (_positive if unknown_if_zero else _known)(sample[key])
-        self._raws[sample["step"]] = [sample]  # a repeated step keeps its last line
+        self._raws[sample["step"]] = [sample]
         return sample
+
+    def _check_values(self, raw: dict) -> None:
+        """A step time or tokens/s printed as nan, inf, 0 or negative is a problem: the log
+        is no result (an empty value is unknown, and fine)."""
+        for key in ("step_time_s", "tokens_per_s", "tokens_per_s_device"):
+            value = raw.get(key)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                printed = f"step {raw['step']}: {key}={value:g}"
+                self.problems.append(f"{printed} is not a positive number")
+
+    def _in_order(self, rank: int | None, raw: dict) -> bool:
+        """Whether this rank's step line counts: a step going backwards or printed again with
+        other values is a problem; the same line printed twice is dropped with a note."""
+        step = raw["step"]
+        last = self._last.get(rank)
+        self._last[rank] = raw
+        if last is None or step > last["step"]:
+            return True
+        if step < last["step"]:
+            self.problems.append(f"step {step} printed after step {last['step']} (out of order)")
+        elif _values(raw) == _values(last):
+            self._dropped_repeats.append(step)
+        else:
+            self.problems.append(f"step {step} printed twice with different values")
+        return False
 
     def _note_other(self, text: str) -> None:
         if self.log_format in ("megatron", "nemo"):
@@ -480,9 +536,14 @@ class LogReader:
         return sample
 
     def result(self) -> ParsedLog:
+        repeats = (
+            [f"step line(s) printed twice, the repeat dropped: step(s) "
+             f"{', '.join(map(str, self._dropped_repeats))}"]
+            if self._dropped_repeats else []
+        )  # fmt: skip
         if self.log_format == "contract":
             steps = [self._raws[k][0] for k in sorted(self._raws)]
-            return ParsedLog("contract", steps, [], self.env, [], len(steps))
+            return ParsedLog("contract", steps, repeats, self.env, [], len(steps), self.problems)
         used: set[str] = set()
         combined = [_combine(self._raws[k]) for k in sorted(self._raws)]
         skipped = [c["step"] for c in combined if c["skipped"]]
@@ -503,8 +564,9 @@ class LogReader:
             for sample in steps:
                 sample["peak_mem_gib"] = max(peak, sample["peak_mem_gib"] or 0.0)
             used.add("memory_reports")
-        derivations = self._derivations(used, combined, steps, skipped)
-        return ParsedLog(self.log_format, steps, derivations, self.env, skipped, len(combined))
+        derivations = self._derivations(used, combined, steps, skipped) + repeats
+        return ParsedLog(self.log_format, steps, derivations, self.env, skipped, len(combined),
+                         self.problems)  # fmt: skip
 
     def _derivations(
         self, used: set[str], combined: list[dict], steps: list[dict], skipped: list[int]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import socket
@@ -93,10 +94,26 @@ def environment(trainer_env: dict | None, world_size: int) -> dict:
     }
 
 
+def _finite(value: object) -> object:
+    """NaN and infinity are no JSON: null (unknown) in their place, everywhere in `value`."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def strict_json(value: object, indent: int | None = 2) -> str:
+    """JSON that every strict parser reads: no NaN or Infinity (null instead)."""
+    return json.dumps(_finite(value), indent=indent, default=str, allow_nan=False)
+
+
 def write_record(path: Path, record: dict) -> None:
-    """Written whole or not at all (a reader never sees half a file)."""
+    """Written whole or not at all (a reader never sees half a file), as strict JSON."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    tmp.write_text(strict_json(record) + "\n", encoding="utf-8")
     os.replace(tmp, path)
 
 

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.launchers.process import LaunchResult, run_trainer, shown
+from moe_perf.report import explain
 from moe_perf.report import record as records
 from moe_perf.report.logformats import RunShape
 from moe_perf.report.sweep import Sweep
@@ -36,6 +37,8 @@ def arm_config(cfg: DictConfig, sweep: Sweep) -> dict:
     node.repo = sweep.repo
     node.data.root = str(preflight.corpus_root(cfg, Path(sweep.repo)))
     return OmegaConf.to_container(node, resolve=True)
+    if explain.explain_steps(cfg):  # the profiled steps after the measured ones
+        node.trainer.explain_steps = explain.explain_steps(cfg)
 
 
 @contextlib.contextmanager
@@ -91,7 +94,8 @@ def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, start
         started=started,
         wall_time_s=time.perf_counter() - t0,
         trainer_wall_s=result.trainer_wall_s,
-        extra={**extra, "log_format": result.log_format, "derivations": result.derivations},
+        extra={**extra, "launch_exit_code": result.launch_exit_code,
+               "log_format": result.log_format, "derivations": result.derivations},
     )
     records.write_record(job.arm_dir / "metrics.json", record)
     return record

@@ -1,0 +1,165 @@
+"""Faults and bad data never become numbers: the real `python -m moe_perf` in temporary git
+repositories whose stand-in trainer (trainer=command, no torch) misbehaves on purpose: prints
+NaN or impossible step lines, exits with its own code, runs out of memory, ignores SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from conftest import commit, git, make_repo, moe_perf, sweep_dir
+
+pytestmark = pytest.mark.slow
+
+# MODE picks the fault; the feature branch of a test repository commits another MODE.
+STAND_IN = textwrap.dedent(
+    '''
+    """A stand-in trainer that misbehaves as MODE says."""
+    import os
+    import signal
+    import sys
+    import time
+
+    MODE = "ok"
+    steps = int(sys.argv[1])
+    rank = int(os.environ.get("RANK", "0"))
+
+    def line(step, of, t, tps):
+        return f"[moe_perf] step={step}/{of} step_time_s={t} tokens_per_s={tps} peak_mem_gib=1.0"
+
+    if MODE == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(os.environ["MOE_PERF_ARM_DIR"] + f"/../pid-{rank}", "w") as f:
+            f.write(str(os.getpid()))
+    for step in range(1, steps + 1):
+        time.sleep(0.02)
+        if rank != 0:
+            continue
+        if MODE == "nan":
+            print(line(step, steps, "nan", 12800), flush=True)
+        elif MODE == "beyond":
+            print(line(100 + step, steps, -1, "inf"), flush=True)
+        else:
+            print(line(step, steps, 0.02, 12800), flush=True)
+        if MODE == "exit3" and step == 2:
+            os._exit(3)
+        if MODE == "oom" and step == 2:
+            print("Traceback (most recent call last):", file=sys.stderr)
+            print('  File "train.py", line 9, in step', file=sys.stderr)
+            print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 "
+                  "has a total capacity of 139.80 GiB of which 1.25 GiB is free.",
+                  file=sys.stderr, flush=True)
+            sys.exit(1)
+        if MODE == "nccl" and step == 2:
+            print("[rank0]:[E1203 17:40:01.123 ProcessGroupNCCL.cpp:616] [Rank 0] Watchdog "
+                  "caught collective operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, "
+                  "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600042 milliseconds "
+                  "before timing out.", file=sys.stderr, flush=True)
+            os.abort()
+        if MODE == "raise" and step == 2:
+            raise ValueError("expert weights of layer 3 have shape (8, 64), want (8, 96)")
+        if MODE == "ignore_term" and step == 2:
+            while True:
+                time.sleep(0.1)
+    '''
+)
+
+
+def stand_in_repo(path: Path, base: str = "ok", feat: str = "ok") -> Path:
+    """`main` runs the stand-in in mode `base`; `feature` (checked out) in mode `feat`."""
+    make_repo(path, {"faulty/train.py": STAND_IN.replace('MODE = "ok"', f'MODE = "{base}"'),
+                     ".gitignore": "__pycache__/\n"})  # fmt: skip
+    git(path, "checkout", "-q", "-b", "feature")
+    commit(path, {"faulty/train.py": STAND_IN.replace('MODE = "ok"', f'MODE = "{feat}"')}, "feat")
+    return path
+
+
+RUN = [
+    "trainer=command",
+    "trainer.command=[faulty/train.py,'{training.max_steps}']",
+    "training.sequence_length=64",
+    "training.global_batch=4",
+    "training.max_steps=5",
+    "wandb.mode=disabled",
+    "timeout_s=60",
+]
+
+
+def strict(path: Path) -> dict:
+    """The file parsed as strict JSON: NaN or Infinity fail the test."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{path} holds {constant}: not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def arm_dir(repo: Path, arm: str) -> Path:
+    """The arm's directory of the tiny model (its tag follows the shipped dtype default)."""
+    (found,) = (sweep_dir(repo) / "tiny").glob(f"pp1-dp1-cp1-ep1-seq64-*-{arm}")
+    return found
+
+
+def arm_record(repo: Path, arm: str) -> dict:
+    return strict(arm_dir(repo, arm) / "metrics.json")
+
+
+# ---- bad step lines --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("nan", "step 1: step_time_s=nan is not a positive number"),
+        ("beyond", "step 101 is beyond its own /5"),
+    ],
+)
+def test_bad_step_lines_fail_the_arm_and_every_json_is_strict(tmp_path, mode, reason):
+    repo = stand_in_repo(tmp_path / "repo", feat=mode)
+    result = moe_perf(repo, *RUN, "-m", "arm=base,feat")
+    out = result.stdout + result.stderr
+    assert result.returncode == 3, out[-3000:]  # the sweep ran, an arm failed
+    base, feat = arm_record(repo, "base"), arm_record(repo, "feat")
+    assert base["status"] == "ok"
+    assert feat["status"] == "failed" and reason in feat["failure"], feat["failure"]
+    assert reason in out  # on the console too
+    report = strict(sweep_dir(repo) / "comparison.json")
+    (group,) = report["groups"]
+    assert group["status"] == "incomplete" and group["difference"] == {}
+    assert "faster" not in out and "same speed" not in out
+    strict(sweep_dir(repo) / ".moe_perf" / "sweep.json")
+
+
+# ---- exit status and failure reasons ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "code", "reason"),
+    [
+        ("exit3", 3, "trainer exited with code 3 (rank 0)"),
+        ("oom", 1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB."),
+        ("nccl", -6, "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7"),
+        ("raise", 1, "ValueError: expert weights of layer 3 have shape (8, 64), want (8, 96)"),
+    ],
+)
+def test_a_failed_arm_has_its_code_and_reason_and_the_sweep_exits_3(tmp_path, mode, code, reason):
+    repo = stand_in_repo(tmp_path / "repo", feat=mode)
+    result = moe_perf(repo, *RUN, "-m", "arm=base,feat")
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    feat = arm_record(repo, "feat")
+    assert feat["status"] == "failed"
+    assert feat["exit_code"] == code and feat["launch_exit_code"] == 1  # torchrun's own
+    assert reason in feat["failure"], feat["failure"]
+    assert reason in result.stderr  # the console
+    (run,) = [r for r in strict(sweep_dir(repo) / "comparison.json")["groups"][0]["runs"]
+              if r["arm"] == "feat"]  # fmt: skip
+    assert reason in run["failure"]
+    assert reason in (sweep_dir(repo) / "comparison.md").read_text()
