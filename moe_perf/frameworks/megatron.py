@@ -18,6 +18,7 @@ from typing import Any
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.armcode import ArmCode, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
+from moe_perf.report.explain import explain_steps
 
 # Megatron's names for the presets' load-balancing losses (a forced balance makes them moot,
 # but an unforced run trains with them)
@@ -133,9 +134,29 @@ def run_flags(cfg: Any) -> list[str]:
     return flags
 
 
-def megatron_argv(cfg: Any) -> list[str]:
+def profiling_flags(cfg: Any, arm_dir: Path) -> list[str]:
+    """`explain=true`: Megatron's PyTorch profiler (`--profile --use-pytorch-profiler`) on
+    every rank over the last measured iterations (it profiles inside its loop, from
+    `--profile-step-start` to `--profile-step-end`). Its TensorBoard handler writes
+    `<tensorboard dir>/<host>_<pid>.<time>.pt.trace.json`."""
+    steps, n = int(cfg.training.max_steps), explain_steps(cfg)
+    active = min(n, steps - 1)
+    if active < 1:
+        return []
+    world = int(cfg.mesh.nnodes) * int(cfg.mesh.nproc_per_node)
+    return [
+        "--profile", "--use-pytorch-profiler",
+        "--profile-step-start", str(steps - active),
+        "--profile-step-end", str(steps),
+        "--profile-ranks", *(str(r) for r in range(world)),
+        "--tensorboard-dir", str(arm_dir / "explain"),
+    ]  # fmt: skip
+
+
+def megatron_argv(cfg: Any, arm_dir: Path | None = None) -> list[str]:
     script = str(cfg.trainer.get("script") or "pretrain_gpt.py")
     argv = [script, *model_flags(cfg.model, int(cfg.training.sequence_length)), *run_flags(cfg)]
+    argv += profiling_flags(cfg, arm_dir) if arm_dir is not None else []
     return argv + [str(arg) for arg in cfg.trainer.get("extra_args") or []]
 
 
@@ -169,4 +190,4 @@ class Megatron:
         env = {str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()}
         # Megatron asks for this when its tensor or sequence parallelism overlaps communication
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-        return TrainerLaunch(argv=megatron_argv(cfg), env=env, log_format="megatron")
+        return TrainerLaunch(argv=megatron_argv(cfg, arm_dir), env=env, log_format="megatron")

@@ -23,6 +23,7 @@ from typing import Any
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.armcode import ArmCode, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
+from moe_perf.report.explain import explain_steps
 
 TOML_CLI = "0.2"  # JobConfig + TOML, --model.name/--model.flavor
 REGISTRY_CLI = "0.3"  # --module/--config
@@ -186,6 +187,27 @@ def registry_cli_argv(cfg: Any, model: TitanModel, config: str, arm_dir: Path) -
     return argv
 
 
+def profiling_flags(cfg: Any, arm_dir: Path) -> list[str]:
+    """`explain=true`: torchtitan's own profiler over the last measured steps.
+
+    torchtitan profiles inside its loop on a schedule (wait, warmup, active steps every
+    `profile_freq`), so the profiled steps are the last `explain_steps` measured ones (one
+    warm-up step before them). It writes `<save_traces_folder>/iteration_<N>/rank<r>_trace.json`;
+    an absolute folder is used as it is.
+    """
+    steps, n = int(cfg.training.max_steps), explain_steps(cfg)
+    active = min(n, steps - 1)
+    if active < 1:
+        return []
+    return [
+        "--profiling.enable_profiling",
+        "--profiling.save_traces_folder", str(arm_dir / "explain"),
+        "--profiling.profile_freq", str(steps),
+        "--profiling.profiler_active", str(active),
+        "--profiling.profiler_warmup", "1",
+    ]  # fmt: skip
+
+
 def check_local_file(code: ArmCode, setting: str, path: str, what: str) -> None:
     """A path torchtitan reads: relative to the worktree (the arm's commit) or absolute."""
     absolute = Path(path).expanduser()
@@ -273,6 +295,7 @@ class TorchTitan:
             argv = toml_cli_argv(cfg, model, name, arm_dir)
         else:
             argv = registry_cli_argv(cfg, model, name, arm_dir)
+        argv += profiling_flags(cfg, arm_dir)
         argv += [str(arg) for arg in cfg.trainer.get("extra_args") or []]
         if name == base:
             entry = ["-m", "torchtitan.train"]

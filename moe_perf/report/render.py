@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from moe_perf.report import explain
 from moe_perf.report.record import ARMS
 
 # ---- rendering -------------------------------------------------------------------------------
@@ -115,7 +116,7 @@ def render(report: dict) -> str:
     if not report["groups"]:
         lines.append("No arm records (metrics.json) found.")
     for group in report["groups"]:
-        lines += _group_lines(group) + [""]
+        lines += _group_lines(group) + explain.markdown(group) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -87,6 +87,7 @@ class MoePerfConfig:
     repeat: int = MISSING
     timeout_s: float = MISSING
     dry_run: bool = False
+    explain: bool = False
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
