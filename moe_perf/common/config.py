@@ -1,67 +1,160 @@
-"""The resolved config file the runner writes, read into plain dataclasses (no Hydra here).
+"""The config dataclasses: one set of fields, types, defaults and ranges, read by both worlds.
 
-`load_config(path, overrides)` reads `<arm_dir>/config.yaml` with yaml.safe_load. Sections and
-keys the trainer does not use (refs, arm, wandb, tag, ...) are ignored, so the runner can grow
-its config freely; a missing required model field is an error naming the field.
+* The trainer reads `<arm_dir>/config.yaml` (the runner's resolved config) into them with
+  `load_config` (yaml.safe_load, no Hydra). Sections and keys it does not use (refs, arm, wandb,
+  tag, trainer.command, ...) are ignored, so the runner can grow its config freely; a missing
+  required model field is an error naming the field.
+* The runner registers the same classes as its Hydra schema (moe_perf/runner/schema.py, which
+  adds only what the runner alone reads), so a value of the wrong type fails when the config is
+  composed, with Hydra's message, and an unknown key is refused before launch.
+
+Written for both readers: only field types OmegaConf's structured configs accept (int, float,
+bool, str, Optional[...] (not `X | None`, which OmegaConf does not read on every Python we
+support), list[...] with a default_factory, nested dataclasses; no Union of two types). A
+numeric knob carries its range (and a string its choices) in the field's metadata:
+`check_values` reads them, for the runner before launch and for the trainer at start-up, with
+one message per value that names the override.
 Overrides are `section.key=value` strings (value parsed as YAML), for tests and bench/.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
+from typing import Any, Optional, get_type_hints
 
 import yaml
 
 from moe_perf.common.mesh import MeshDims
+
+# Activation checkpointing: off, or every transformer block recomputed in backward.
+AC_MODES = ("none", "full")
 
 
 class ConfigError(ValueError):
     """A config value the trainer cannot run with; the message names the key."""
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The values a field may take: at least `min`, above `above`, at most `max`, or one of
+    `choices`. None (for an Optional field) is always allowed."""
+
+    min: float | None = None
+    above: float | None = None
+    max: float | None = None
+    choices: tuple = ()
+    why: str = ""  # the reason for the bound, shown with it
+
+    def problem(self, key: str, value: Any) -> str | None:
+        if value is None or self == Bounds():
+            return None
+        why = f" ({self.why})" if self.why else ""
+        if self.choices:
+            if value in self.choices:
+                return None
+            return (
+                f"{key}={value}: expected one of {', '.join(map(str, self.choices))}; change {key}"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{key}={value!r} is not a number; change {key}"
+        rules = (
+            (self.min, ">=", lambda bound: value >= bound),
+            (self.above, ">", lambda bound: value > bound),
+            (self.max, "<=", lambda bound: value <= bound),
+        )
+        for bound, rule, holds in rules:
+            if bound is not None and not holds(bound):  # NaN fails every rule
+                return f"{key}={value} must be {rule} {bound:g}{why}; change {key}"
+        return None
+
+
+def knob(default: Any = dataclasses.MISSING, **bounds) -> Any:
+    """A dataclass field with its bounds (`knob(2048, min=1)`; no default: required)."""
+    return field(default=default, metadata={"bounds": Bounds(**bounds)})
+
+
+def check_values(cls: type, values: Any, section: str) -> list[str]:
+    """One message per value of `values` (a mapping or an instance of `cls`) outside its
+    field's bounds, nested dataclass sections included, keys as `section.key`."""
+    problems = []
+    for f in dataclasses.fields(cls):
+        bounds = f.metadata.get("bounds")
+        nested = _field_types(cls)[f.name]
+        nested = nested if isinstance(nested, type) and dataclasses.is_dataclass(nested) else None
+        if bounds is None and nested is None:
+            continue
+        if isinstance(values, Mapping):
+            if f.name not in values:
+                continue
+            value = values[f.name]
+        else:
+            value = getattr(values, f.name)
+        key = f"{section}.{f.name}" if section else f.name
+        problem = bounds.problem(key, value) if bounds is not None else None
+        if problem:
+            problems.append(problem)
+        if nested is not None and value is not None:
+            problems += check_values(nested, value, key)
+    return problems
+
+
+@cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)  # the annotations are strings (from __future__ import annotations)
+
+
 @dataclass
 class ModelConfig:
-    name: str
-    vocab_size: int
-    hidden: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_experts: int
-    top_k: int
-    expert_ffn: int
+    """A model preset (conf/model/*.yaml). Fields without a default must be set by the preset."""
+
+    name: str = knob()
+    vocab_size: int = knob(min=1)
+    hidden: int = knob(min=1)
+    num_layers: int = knob(min=1)
+    num_heads: int = knob(min=1)
+    num_kv_heads: int = knob(min=1)
+    head_dim: int = knob(min=1)
+    num_experts: int = knob(min=1)
+    top_k: int = knob(min=1)
+    expert_ffn: int = knob(min=1)
     tokenizer: str = "synthetic"
-    load_balance: str = "global-batch"
-    load_balance_coeff: float = 0.0
-    v_head_dim: int | None = None
+    load_balance: str = knob("global-batch", choices=("global-batch", "sequence"))
+    load_balance_coeff: float = knob(0.0, min=0)
+    v_head_dim: Optional[int] = knob(None, min=1)  # noqa: UP045  (None: head_dim)
     qk_norm: bool = False
-    rope_theta: float = 10000.0
-    rope_fraction: float = 1.0
-    norm_eps: float = 1e-6
-    num_shared_experts: int = 0
-    shared_expert_ffn: int = 0
+    rope_theta: float = knob(10000.0, above=0)
+    rope_fraction: float = knob(1.0, above=0, max=1)
+    norm_eps: float = knob(1e-6, above=0)
+    num_shared_experts: int = knob(0, min=0)
+    shared_expert_ffn: int = knob(0, min=0)
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert (Qwen3.5)
-    router: str = "softmax"
+    router: str = knob("softmax", choices=("softmax", "sigmoid"))
     norm_topk_prob: bool = True
     router_bias: bool = False
-    dense_layers: int = 0
-    dense_ffn: int = 0
-    sliding_window: int = 0  # not implemented: listed in approximations
+    dense_layers: int = knob(0, min=0)
+    dense_ffn: int = knob(0, min=0)
+    sliding_window: int = knob(0, min=0)  # not implemented: listed in approximations
     attention_sinks: bool = False  # not implemented: listed in approximations
-    swiglu_clamp: float = 0.0
-    approximations: list = field(default_factory=list)
+    swiglu_clamp: float = knob(0.0, min=0)
+    approximations: list[str] = field(default_factory=list)
 
 
 @dataclass
 class MeshConfig:
-    nnodes: int = 1
-    nproc_per_node: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    """Processes and their layout (conf/mesh/*.yaml); dp = world / (pp*cp) is inferred."""
+
+    nnodes: int = knob(1, min=1)
+    nproc_per_node: int = knob(1, min=1)
+    pp: int = knob(1, min=1)
+    cp: int = knob(1, min=1)
+    ep: int = knob(1, min=1)
+    # GiB of one device where the arms run, for the memory pre-flight; None: this host's (the
+    # first GPU's memory, or the machine's RAM on a CPU run). Set it when launching elsewhere.
+    device_memory_gib: Optional[float] = knob(None, above=0)  # noqa: UP045
 
     def dims(self) -> MeshDims:
         return MeshDims(world=self.nnodes * self.nproc_per_node, pp=self.pp, cp=self.cp, ep=self.ep)
@@ -69,25 +162,26 @@ class MeshConfig:
 
 @dataclass
 class DtypeConfig:
-    name: str = "bf16"  # fp32 | bf16 | fp8 (fp8 = bf16 with float8 linear layers)
+    name: str = knob("bf16", choices=("fp32", "bf16", "fp8"))  # fp8 = bf16 + float8 linears
     fp8: bool = False
 
 
 @dataclass
 class TrainingConfig:
-    sequence_length: int = 2048
-    global_batch: int = 8
-    micro_batch: int = 1
-    max_steps: int = 8
+    sequence_length: int = knob(2048, min=1)
+    # identical across arms and meshes; divisible by every preset's dp with >= 2*pp per dp rank
+    global_batch: int = knob(32, min=1)
+    micro_batch: int = knob(1, min=1)
+    max_steps: int = knob(8, min=2, why="step 1 is dropped as warm-up")
     benchmark: bool = True  # forced-balance routing
-    seed: int = 0
-    lr: float = 3e-4
-    device: str = "auto"  # auto | cpu | cuda
+    seed: int = knob(1234, min=0)
+    lr: float = knob(3e-4, above=0)
+    device: str = knob("auto", choices=("auto", "cpu", "cuda"))  # auto: cuda if available
 
 
 @dataclass
 class DataConfig:
-    corpus: str | None = None  # None: seeded synthetic tokens
+    corpus: Optional[str] = None  # noqa: UP045  (None: seeded synthetic tokens)
     root: str = "workspace/datasets"
 
 
@@ -97,30 +191,41 @@ class TrainerConfig:
 
     name: str = "reference"
     compile: bool = False
-    activation_checkpointing: str | bool = False  # none/false -> False; full/true -> "full"
+    # none | full (false/true are read as none/full)
+    activation_checkpointing: str = knob("none", choices=AC_MODES)
     pp_schedule: str = "1F1B"
-    pp_virtual_stages: int = 1
-    expert_backend: str = "auto"  # auto (grouped_mm where it runs) | grouped_mm | loop
-    weight_decay: float = 0.1
-    max_grad_norm: float = 1.0  # 0 disables clipping (clipping costs a global norm reduce)
-    init_std: float = 0.02
+    pp_virtual_stages: int = knob(1, min=1)
+    expert_backend: str = knob("auto", choices=("auto", "grouped_mm", "loop"))
+    weight_decay: float = knob(0.1, min=0)
+    max_grad_norm: float = knob(1.0, min=0)  # 0 disables clipping (a global norm reduce)
+    init_std: float = knob(0.02, above=0)
     # torch.profiler over the last `profile_steps` steps (0 = off): a kernel table and a Chrome
     # trace per rank in `profile_dir` (default: a `profile` folder beside the config file)
-    profile_steps: int = 0
-    profile_dir: str | None = None
+    profile_steps: int = knob(0, min=0)
+    profile_dir: Optional[str] = None  # noqa: UP045
+    # steps run under torch.profiler after the measured ones (0 = off), not counted in the
+    # step lines: <arm_dir>/explain/ (set by the runner when explain=true)
+    explain_steps: int = knob(0, min=0)
 
     def __post_init__(self):
-        ac = self.activation_checkpointing
-        if ac in (None, False, "none", "false"):
-            self.activation_checkpointing = False
-        elif ac in (True, "full", "true"):
-            self.activation_checkpointing = "full"
-        else:
-            raise ConfigError(f"trainer.activation_checkpointing={ac!r}: expected none or full")
+        self.activation_checkpointing = ac_mode(self.activation_checkpointing)
+
+
+def ac_mode(value: Any) -> str:
+    """trainer.activation_checkpointing as one of AC_MODES (YAML's false/true read as none/full;
+    a str field given a bool by OmegaConf holds "False"/"True")."""
+    mode = {"false": "none", "true": "full"}.get(str(value).lower(), str(value).lower())
+    if value is None:
+        mode = "none"
+    if mode not in AC_MODES:
+        raise ConfigError(f"trainer.activation_checkpointing={value!r}: expected none or full")
+    return mode
 
 
 @dataclass
 class Config:
+    """What the trainer reads: the sections of the resolved config that describe the run."""
+
     model: ModelConfig
     mesh: MeshConfig = field(default_factory=MeshConfig)
     dtype: DtypeConfig = field(default_factory=DtypeConfig)
@@ -133,7 +238,11 @@ class Config:
         return self.mesh.dims()
 
     def validate(self) -> MeshDims:
-        """The runner's mesh checks (same messages), plus what only the trainer knows."""
+        """Every value in its range, the runner's mesh checks (same messages), plus what only
+        the trainer knows."""
+        problems = check_values(Config, self, "")
+        if problems:
+            raise ConfigError("; ".join(problems))
         dims = self.mesh_dims
         t = self.training
         dims.validate(
@@ -142,26 +251,31 @@ class Config:
             micro_batch=t.micro_batch,
             num_experts=self.model.num_experts,
         )
-        m = self.model
-        if m.num_heads % m.num_kv_heads:
-            raise ConfigError(
-                f"model.num_heads={m.num_heads} is not a multiple of "
-                f"model.num_kv_heads={m.num_kv_heads}"
-            )
-        if not 0 < m.top_k <= m.num_experts:
-            raise ConfigError(f"model.top_k={m.top_k} must be in 1..model.num_experts")
-        if m.dense_layers > m.num_layers:
-            raise ConfigError(f"model.dense_layers={m.dense_layers} > num_layers={m.num_layers}")
-        if m.dense_layers and not m.dense_ffn:
-            raise ConfigError("model.dense_layers > 0 needs model.dense_ffn")
-        if self.dtype.name not in ("fp32", "bf16", "fp8"):
-            raise ConfigError(f"dtype.name={self.dtype.name!r}: expected fp32, bf16 or fp8")
-        if self.trainer.expert_backend not in ("auto", "grouped_mm", "loop"):
-            raise ConfigError(
-                f"trainer.expert_backend={self.trainer.expert_backend!r}: "
-                "expected auto, grouped_mm or loop"
-            )
+        for problem in model_problems(self.model):
+            raise ConfigError(problem)
         return dims
+
+
+def model_problems(m: Any) -> list[str]:
+    """What a model preset must satisfy beyond each field's own range (a mapping or a
+    ModelConfig): shared by the runner's pre-flight and the trainer's start-up."""
+    get = m.get if isinstance(m, Mapping) else lambda k, d=None: getattr(m, k, d)
+    heads, kv_heads = get("num_heads"), get("num_kv_heads")
+    experts, top_k = get("num_experts"), get("top_k")
+    layers, dense = get("num_layers"), get("dense_layers", 0)
+    problems = []
+    if heads % kv_heads:
+        problems.append(
+            f"model.num_heads={heads} is not a multiple of model.num_kv_heads={kv_heads}; "
+            f"change model.num_kv_heads"
+        )
+    if not 0 < top_k <= experts:
+        problems.append(f"model.top_k={top_k} must be in 1..model.num_experts={experts}")
+    if dense > layers:
+        problems.append(f"model.dense_layers={dense} > model.num_layers={layers}")
+    if dense and not get("dense_ffn", 0):
+        problems.append("model.dense_layers > 0 needs model.dense_ffn")
+    return problems
 
 
 def _build(cls, data: dict | None, section: str):

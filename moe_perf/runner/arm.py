@@ -162,6 +162,7 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
     session = session or SweepSession()
     dry_run = bool(cfg.get("dry_run", False))
     try:
+        preflight.check_config(cfg)  # before the sweep takes a lock or writes anything
         sweep = session.sweep_for(cfg, job, check_all_jobs)
         preflight.check_job(cfg, Path(sweep.repo))
         dryrun.check_host(cfg, dry_run)

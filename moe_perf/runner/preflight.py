@@ -1,9 +1,12 @@
 """Prerequisites, checked before anything launches.
 
-Each failure is a `PrerequisiteError` whose message is one or two lines that name the override
-to change; the command prints it without a traceback and launches nothing. Two kinds:
+Each failure is a `PrerequisiteError` whose message is one line that names the override to
+change; the command prints it without a traceback and launches nothing. Three kinds:
 
-* per job (`check_job`): the mesh arithmetic, experts % ep, the launcher, the corpus;
+* of the composed config alone (`check_config`, first, before the sweep touches anything): no
+  key the schema lacks, every value in its range, names that become directories safe, the
+  model preset consistent, the mesh arithmetic, experts % ep;
+* per job (`check_job`): the above, then the launcher, the steps, the trainer, the corpus;
 * per sweep (`check_sweep`): the repository, a clean tree, both refs resolving to commits.
 """
 
@@ -12,15 +15,49 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from moe_perf import frameworks, launchers
+from moe_perf.common.config import model_problems
 from moe_perf.common.corpus import CorpusError, check_corpus
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.common.mesh import MeshError
 from moe_perf.report.record import ARMS
 from moe_perf.runner import git as gitops
+from moe_perf.runner import schema
 from moe_perf.runner.schema import mesh_dims
 
-__all__ = ["PrerequisiteError", "check_job", "check_sweep", "corpus_root", "find_repo"]
+__all__ = ["PrerequisiteError", "check_config", "check_job", "check_sweep", "corpus_root",
+           "find_repo"]  # fmt: skip
+
+# Values that become directory names (the arm directory is <model.name>/<tag>-<arm.name>) or
+# select code by name.
+PATH_NAMES = ("model.name", "tag", "arm.name", "trainer.name", "launcher.name")
+
+
+def name_problems(cfg: Any) -> list[str]:
+    problems = []
+    for key in PATH_NAMES:
+        value = OmegaConf.select(cfg, key)
+        if not schema.is_safe_name(value):
+            problems.append(
+                f"{key}={value!r} is not a safe directory name (one path component: letters, "
+                f"digits, '.', '_', '-', not starting with '.' or '-'); change {key}"
+            )
+    return problems
+
+
+def check_config(cfg: Any) -> None:
+    """The composed config on its own: what is wrong with it, every problem in one line."""
+    # in stages: a value out of range may be why the tag is no safe name, and the arithmetic
+    # of the later stages divides by values checked >= 1 before
+    for stage in (schema.unknown_keys, schema.out_of_range, name_problems):
+        problems = stage(cfg)
+        if problems:
+            raise PrerequisiteError("; ".join(problems))
+    for problem in model_problems(cfg.model):
+        raise PrerequisiteError(problem)
+    check_mesh(cfg)
 
 
 def check_mesh(cfg: Any) -> None:
@@ -44,16 +81,6 @@ def check_trainer(cfg: Any, repo: Path) -> None:
     frameworks.get(cfg).check(cfg, repo)
 
 
-def check_run(cfg: Any) -> None:
-    if int(cfg.training.max_steps) < 2:
-        raise PrerequisiteError(
-            f"training.max_steps={cfg.training.max_steps}: step 1 is dropped as warm-up, so at "
-            f"least 2 steps are needed; change training.max_steps"
-        )
-    if float(cfg.timeout_s) <= 0:
-        raise PrerequisiteError(f"timeout_s={cfg.timeout_s} must be > 0; change timeout_s")
-
-
 def corpus_root(cfg: Any, repo: Path) -> Path:
     """data.root, absolute: a relative root is relative to the repository."""
     root = Path(str(cfg.data.root)).expanduser()
@@ -75,9 +102,8 @@ def check_job(cfg: Any, repo: Path, *, submitting: bool = False) -> None:
     `submitting`: checked where the sweep is only submitted (hydra/launcher=moe_perf_slurm);
     checks of the launching host are left to the job itself.
     """
-    check_mesh(cfg)
+    check_config(cfg)
     check_launcher(cfg, submitting)
-    check_run(cfg)
     check_trainer(cfg, repo)
     check_data(cfg, repo)
 

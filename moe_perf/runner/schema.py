@@ -1,44 +1,53 @@
-"""Typed schema of the composed config, and the resolvers its YAML uses.
+"""The Hydra schema of the composed config, and the resolvers its YAML uses.
 
-Registered on import (with replace=True, so re-imports in tests are harmless). The YAML files
-in conf/ give the values; this gives the types, so `training.max_steps=abc` fails at compose time
-with Hydra's message. `model`, `trainer` and `launcher` stay open (Any): their option files
-carry keys that belong to the trainer and the launchers.
+The sections the trainer reads are the dataclasses of moe_perf/common/config.py, registered as
+they are: one set of fields, types, defaults and ranges. This module adds only what the runner
+alone reads (arm, refs, wandb, the root keys, a trainer option's launch keys, the launchers)
+and registers, on import (replace=True, so re-imports in tests are harmless):
+
+* `moe_perf_schema`, the root: `model`, `mesh`, `dtype`, `training`, `data` typed, so
+  `model.num_experts=abc` fails at compose time with Hydra's message;
+* per option of the `trainer` and `launcher` groups, `moe_perf_schema/<group>/<option>`, which
+  conf/<group>/<option>.yaml names first in its defaults list (Hydra's pattern for a group
+  whose options have different fields);
+* the resolvers `moe_perf.tag`, `moe_perf.repeat_suffix`, `moe_perf.current_branch`,
+  `moe_perf.path_part`.
+
+Hydra adds a key given with `+` even to a typed node, so unknown keys are found after compose
+by `unknown_keys` (the pre-flight refuses them), as are values out of range (`out_of_range`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
+from moe_perf.common.config import (
+    DataConfig,
+    DtypeConfig,
+    MeshConfig,
+    ModelConfig,
+    TrainerConfig,
+    TrainingConfig,
+    check_values,
+    knob,
+)
 from moe_perf.common.mesh import MeshDims
 from moe_perf.runner import git
 from moe_perf.runner.job import repeat_suffix
 
-# The Optional[...] spelling is for OmegaConf, which does not read `X | None` on Python 3.10.
-
-
-@dataclass
-class MeshConfig:
-    nnodes: int = MISSING
-    nproc_per_node: int = MISSING
-    pp: int = MISSING
-    cp: int = MISSING
-    ep: int = MISSING
-
-
-@dataclass
-class DtypeConfig:
-    name: str = MISSING
-    fp8: bool = MISSING
+# Optional[...] rather than `X | None`: see moe_perf/common/config.py.
 
 
 @dataclass
 class ArmConfig:
-    name: str = MISSING
+    name: str = knob(MISSING, choices=("base", "feat"))
     ref: Optional[str] = MISSING  # noqa: UP045
 
 
@@ -49,48 +58,153 @@ class RefsConfig:
 
 
 @dataclass
-class TrainingConfig:
-    sequence_length: int = MISSING
-    global_batch: int = MISSING
-    micro_batch: int = MISSING
-    max_steps: int = MISSING
-    benchmark: bool = MISSING
-    seed: int = MISSING
-    lr: float = MISSING
-    device: str = MISSING
-
-
-@dataclass
-class DataConfig:
-    corpus: Optional[str] = None  # noqa: UP045
-    root: str = MISSING
-
-
-@dataclass
 class WandbConfig:
-    mode: str = MISSING
-    project: str = MISSING
+    mode: str = knob("auto", choices=("auto", "online", "offline", "disabled"))
+    project: str = "moe_perf"
     entity: Optional[str] = None  # noqa: UP045
+
+
+# --- trainer options: what the runner's adapter reads (moe_perf/frameworks/) -----------------
+
+
+@dataclass
+class ReferenceTrainerSchema(TrainerConfig):
+    """The reference trainer's knobs plus how the runner launches it."""
+
+    command: list[str] = field(default_factory=lambda: ["-m", "moe_perf.trainer"])
+    code_path: Optional[str] = "moe_perf/trainer"  # noqa: UP045
+
+
+@dataclass
+class CommandTrainerSchema:
+    name: str = "command"
+    command: list[str] = MISSING
+    log_format: str = "contract"
+    env: dict[str, Any] = field(default_factory=dict)
+    code_path: Optional[str] = None  # noqa: UP045
+
+
+@dataclass
+class TorchtitanTrainerSchema:
+    name: str = "torchtitan"
+    code_path: Optional[str] = "torchtitan"  # noqa: UP045
+    model_name: Optional[str] = None  # noqa: UP045
+    flavor: Optional[str] = None  # noqa: UP045
+    config: Optional[str] = None  # noqa: UP045
+    job_config: Optional[str] = None  # noqa: UP045
+    tokenizer: str = "tests/assets/tokenizer"
+    dataset: str = "c4_test"
+    dataset_path: Optional[str] = "tests/assets/c4_test"  # noqa: UP045
+    compile: bool = False
+    activation_checkpointing: str = knob("none", choices=("none", "selective", "full"))
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MegatronTrainerSchema:
+    name: str = "megatron"
+    code_path: Optional[str] = "megatron"  # noqa: UP045
+    script: str = "pretrain_gpt.py"
+    transformer_impl: str = knob("transformer_engine", choices=("transformer_engine", "local"))
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, Any] = field(default_factory=dict)
+
+
+# --- launcher options (moe_perf/launchers/) ---------------------------------------------------
+
+
+@dataclass
+class LocalLauncherSchema:
+    name: str = "local"
+    kill_grace_s: float = knob(10.0, min=0)
+
+
+@dataclass
+class SlurmLauncherSchema:
+    name: str = "slurm"
+    kill_grace_s: float = knob(10.0, min=0)
+    time_limit_min: Optional[int] = knob(None, min=1)  # noqa: UP045
+    cpus_per_task: Optional[int] = knob(None, min=1)  # noqa: UP045
+    gpus_per_node: Optional[int] = knob(None, min=0)  # noqa: UP045
+    rdzv_port: Optional[int] = knob(None, min=1, max=65535)  # noqa: UP045
+    extra_args: list[str] = field(default_factory=list)
+    srun: str = "srun"  # the srun executable (tests point it at a wrapper)
+
+
+OPTION_SCHEMAS = {
+    "trainer": {
+        "reference": ReferenceTrainerSchema,
+        "command": CommandTrainerSchema,
+        "torchtitan": TorchtitanTrainerSchema,
+        "megatron": MegatronTrainerSchema,
+    },
+    "launcher": {"local": LocalLauncherSchema, "slurm": SlurmLauncherSchema},
+}
 
 
 @dataclass
 class MoePerfConfig:
-    model: Any = MISSING
-    mesh: MeshConfig = MISSING
-    dtype: DtypeConfig = MISSING
-    arm: ArmConfig = MISSING
-    trainer: Any = MISSING
-    launcher: Any = MISSING
-    tag: str = MISSING
-    repo: str = MISSING
-    refs: RefsConfig = field(default_factory=RefsConfig)
-    repeat: int = MISSING
-    timeout_s: float = MISSING
-    dry_run: bool = False
-    explain: bool = False
+    model: ModelConfig = MISSING
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    dtype: DtypeConfig = field(default_factory=DtypeConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    # typed by the option's own schema (OPTION_SCHEMAS), named in its defaults list
+    trainer: Any = MISSING
+    launcher: Any = MISSING
+    arm: ArmConfig = MISSING
+    tag: str = MISSING
+    repo: str = "."
+    refs: RefsConfig = field(default_factory=RefsConfig)
+    repeat: int = knob(0, min=0)
+    timeout_s: float = knob(1800.0, above=0)
+    dry_run: bool = False
+    explain: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+# --- checks of a composed config --------------------------------------------------------------
+
+
+def _schema_of(node: Any) -> type | None:
+    kind = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    return kind if kind is not None and dataclasses.is_dataclass(kind) else None
+
+
+def unknown_keys(cfg: DictConfig, prefix: str = "") -> list[str]:
+    """One message per key of `cfg` that its schema does not have (as `+a.b=x` adds them),
+    with the closest known key when there is one. `hydra` is Hydra's own."""
+    schema = _schema_of(cfg)
+    if schema is None:
+        return []
+    fields = [f.name for f in dataclasses.fields(schema)]
+    problems = []
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if key == "hydra" and not prefix:
+            continue
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            where = f"the {prefix.rstrip('.')} section" if prefix else "the config"
+            problems.append(f"{path} is not a key of {where}{hint}; remove or correct it")
+        elif isinstance(cfg._get_node(key), DictConfig):
+            problems += unknown_keys(cfg._get_node(key), f"{path}.")
+    return problems
+
+
+def out_of_range(cfg: DictConfig) -> list[str]:
+    """One message per value outside its field's range or choices (common/config.py knobs)."""
+    problems = check_values(MoePerfConfig, cfg, "")
+    for group in OPTION_SCHEMAS:
+        schema = _schema_of(cfg.get(group))
+        if schema is not None:
+            problems += check_values(schema, cfg[group], group)
+    return problems
+
+
+# --- resolvers ----------------------------------------------------------------------------------
 
 
 def mesh_dims(mesh: Any) -> MeshDims:
@@ -105,7 +219,26 @@ def mesh_dims(mesh: Any) -> MeshDims:
 
 def _tag(nnodes, nproc_per_node, pp, cp, ep, sequence_length, dtype) -> str:
     dims = MeshDims(world=int(nnodes) * int(nproc_per_node), pp=int(pp), cp=int(cp), ep=int(ep))
+    if dims.pp < 1 or dims.cp < 1:  # refused by the pre-flight; no ZeroDivisionError before it
+        return f"pp{dims.pp}-dp0-cp{dims.cp}-ep{dims.ep}-seq{sequence_length}-{dtype}"
     return dims.tag(int(sequence_length), str(dtype))
+
+
+# A name that becomes one directory level: letters, digits, '.', '_', '-', not starting with
+# '.' or '-' (so never '..', a hidden file or an option), at most 100 characters.
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+
+
+def is_safe_name(name: Any) -> bool:
+    return isinstance(name, str) and SAFE_NAME.fullmatch(name) is not None
+
+
+def _path_part(name: Any) -> str:
+    """`name` as it appears in the arm directory's path: unchanged when safe; otherwise a
+    harmless stand-in inside the sweep directory (the pre-flight then refuses the run and
+    removes it), since Hydra creates the job's directory before moe_perf's code runs."""
+    text = str(name)
+    return text if is_safe_name(text) else "_" + re.sub(r"[^A-Za-z0-9._-]", "_", text)[:99]
 
 
 def _current_branch(repo: str) -> Optional[str]:  # noqa: UP045
@@ -113,9 +246,14 @@ def _current_branch(repo: str) -> Optional[str]:  # noqa: UP045
 
 
 def register() -> None:
-    ConfigStore.instance().store(name="moe_perf_schema", node=MoePerfConfig)
+    store = ConfigStore.instance()
+    store.store(name="moe_perf_schema", node=MoePerfConfig)
+    for group, options in OPTION_SCHEMAS.items():
+        for option, schema in options.items():
+            store.store(group=f"moe_perf_schema/{group}", name=option, node=schema)
     OmegaConf.register_new_resolver("moe_perf.tag", _tag, replace=True)
     OmegaConf.register_new_resolver("moe_perf.repeat_suffix", repeat_suffix, replace=True)
+    OmegaConf.register_new_resolver("moe_perf.path_part", _path_part, replace=True)
     # Evaluated per job; the runner replaces `refs` by what the sweep resolved at its start.
     OmegaConf.register_new_resolver("moe_perf.current_branch", _current_branch, replace=True)
 
