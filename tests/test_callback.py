@@ -101,15 +101,27 @@ def test_multirun_prints_comparison_with_repeats(tmp_path):
     sweep = tmp_path / "sweep"
     assert (sweep / "comparison.md").read_text() in out
     assert (sweep / "comparison.json").exists()
-    assert (sweep / "comparison.png").stat().st_size > 0
+    assert (sweep / "comparison.png").stat().st_size > 20_000
+    listed = out.split("[moe_perf] files written:\n", 1)[1]
+    assert listed.startswith(f"  {sweep}/  comparison.json comparison.md comparison.png")
+    assert (
+        "  tiny/pp1-dp1-cp1-ep1-seq64-bf16-feat-r1/  .hydra/ app.log console.log metrics.json"
+        in listed
+    )
+    assert out.rstrip().endswith(
+        "[moe_perf] tiny pp1-dp1-cp1-ep1-seq64-bf16: feat is 20.00% slower than base, outside "
+        "the run-to-run spread; A/A run (one commit), so any difference is noise"
+    )
 
 
 def test_multirun_failed_arm_is_shown(tmp_path):
     result = run_sweep(tmp_path, "arm=base,feat", "fail_arm=feat")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 3, result.stderr  # after the comparison is printed and written
     log = tmp_path / "sweep" / "tiny" / "pp1-dp1-cp1-ep1-seq64-bf16-feat-r0" / "console.log"
     assert "| feat | failed |" in result.stdout
     assert f"feat r0 FAILED: trainer exited with code 1 (planted); log: {log}" in result.stdout
+    assert "not compared, no successful run of feat (1 of 2 runs failed)" in result.stdout
+    assert "1 run(s) of this sweep failed: exit code 3" in result.stderr
 
 
 def test_callback_never_raises(capsys):

@@ -21,6 +21,7 @@ from typing import TextIO
 
 from moe_perf.launchers.failures import LaunchFailure, describe, read_failure
 from moe_perf.report.logformats import LogReader, ParsedLog, RunShape
+from moe_perf.runner.progress import StepProgress
 
 # torchrun --tee prefixes every worker line with its local rank: "[default0]:" (or "[rank0]:").
 _RANK_PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
@@ -61,17 +62,6 @@ def shown(value: float | None, spec: str) -> str:
     return "?" if value is None else format(value, spec)
 
 
-def progress_line(label: str, sample: dict, max_steps: int | None = None) -> str:
-    """`[base] step 3/8  0.4121 s  159,021 tokens/s  peak 12.40 GiB  loss 10.8` (`?`: unknown)."""
-    parts = [f"[{label}] step {sample['step']}/{sample.get('max_steps') or max_steps or '?'}"]
-    parts.append(f"{shown(sample['step_time_s'], '.4f')} s")
-    parts.append(f"{shown(sample['tokens_per_s'], ',.0f')} tokens/s")
-    parts.append(f"peak {shown(sample['peak_mem_gib'], '.2f')} GiB")
-    if sample.get("loss") is not None:
-        parts.append(f"loss {sample['loss']:.4g}")
-    return "  ".join(parts)
-
-
 class _Pump:
     """Reads the launch's output: all of it to console.log, rank 0 (and torchrun) to the
     console with the arm's label, every rank's lines to the reader of the trainer's format,
@@ -81,6 +71,7 @@ class _Pump:
                  reader: LogReader, max_steps: int):  # fmt: skip
         self.stream, self.log, self.label, self.echo = stream, log, label, echo
         self.reader, self.max_steps = reader, max_steps
+        self.progress = StepProgress(label, max_steps)  # elapsed and ETA per step line
         self.thread = threading.Thread(target=self._run, name=f"pump-{label}", daemon=True)
 
     def _run(self) -> None:
@@ -92,7 +83,7 @@ class _Pump:
     def _handle(self, line: str) -> None:
         sample = self.reader.feed(line)
         if sample is not None:
-            self._print(progress_line(self.label, sample, self.max_steps))
+            self._print(self.progress.line(sample))
             return
         if self.reader.step_line:
             return  # another rank's line of a step already shown

@@ -60,10 +60,31 @@ def compare_paths(base: Path, feat: Path, fmt: str = "auto", out_dir: Path | Non
     return report, render(report)
 
 
+COMPARE_HELP = """\
+Compare base and feat without running anything: a sweep directory of `python -m moe_perf`
+(re-prints and re-writes its comparison), or two console logs or metrics.json files, each
+log's format detected (moe_perf's contract lines, torchtitan, Megatron-LM, NeMo) or given.
+Median step time, tokens/s and peak memory per arm, first step dropped, and the difference."""
+
+COMPARE_EPILOG = """\
+examples:
+  python -m moe_perf.compare outputs/validate-performance
+  python -m moe_perf.compare base/console.log feat/console.log --out cmp/
+  python -m moe_perf.compare base.log feat.log --global-batch 32 --seq-length 2048 --world-size 8
+
+outputs: comparison.md, comparison.json and comparison.png in SWEEP_DIR (or --out DIR); the
+text is printed.
+
+exit codes: 0 compared (also when an arm's runs failed: the comparison says so); 2 the
+inputs cannot be read or compared (a missing file, two formats, a bad --format regex)."""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m moe_perf.compare",
-        description="Compare base and feat: a sweep directory, or two logs / metrics.json files.",
+        description=COMPARE_HELP,
+        epilog=COMPARE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("paths", nargs="+", type=Path, help="SWEEP_DIR, or BASE FEAT")
     p.add_argument(

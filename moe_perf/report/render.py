@@ -120,33 +120,140 @@ def render(report: dict) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+# ---- the verdict -----------------------------------------------------------------------------
+
+
+def _how_much(d: dict, metric_words: str = "") -> str:
+    """`2.96% slower than` / `the same speed as`: feat against base, in words."""
+    if d["words"] == "same":
+        return "the same as"
+    return f"{abs(d['pct']):.2f}% {d['words']}{metric_words} than"
+
+
+def _verdict_words(group: dict) -> str:
+    """The verdict without the group's name: what `verdict` and the picture's title say."""
+    runs = group["runs"]
+    failed = sum(r["status"] != "ok" for r in runs)
+    tail = f" ({failed} of {len(runs)} runs failed)" if failed else ""
+    if group["status"] == "refused":
+        keys = ", ".join(d["key"] for d in group["config_differences"])
+        return f"not compared, the arms' resolved configs differ ({keys})"
+    if group["status"] == "incomplete":
+        missing = [a for a in ARMS if not group["arms"].get(a, {}).get("runs_ok")]
+        return f"not compared, no successful run of {', '.join(missing)}{tail}"
+    d = group["difference"].get("step_time_s")
+    if not d:
+        return f"no step times to compare{tail}"
+    text = f"feat is {_how_much(d)} base"
+    if d["within_spread"] is True:
+        text += ", within the run-to-run spread"
+    elif d["within_spread"] is False:
+        text += ", outside the run-to-run spread"
+    else:
+        text += " (one run per arm: the run-to-run spread is unknown)"
+    return text + tail
+
+
+def verdict(group: dict) -> str:
+    """One line per (model, tag): `tiny pp1-...: feat is 2.96% slower than base, outside the
+    run-to-run spread` (step time; the spread is the min-max of the run medians)."""
+    text = f"{group['model']} {group['tag']}: {_verdict_words(group)}"
+    if group["aa"]:
+        text += "; A/A run (one commit), so any difference is noise"
+    return text
+
+
+# ---- the picture -----------------------------------------------------------------------------
+
+_ARM_COLOURS = {"base": "tab:blue", "feat": "tab:orange"}  # neutral: no good/bad colours
+_REPEAT_MARKERS = "os^Dv<>PX*"
+
+
+def _arm_colour(arm: str) -> str:
+    return _ARM_COLOURS.get(arm, "tab:gray")
+
+
+def _title(group: dict) -> str:
+    head = f"{group['model']}  {group['tag']}"
+    if group["aa"]:
+        head += "  A/A run: base and feat are one commit, any difference is noise"
+    return f"{head}\nstep time: {_verdict_words(group)}"
+
+
+def _draw_steps(ax, group: dict) -> None:
+    """Every run's step times (first step left out), each arm's median and its spread."""
+    for run in group["runs"]:
+        points = [(s, t) for s, t in run["step_times"][1:] if t is not None]
+        ok = run["status"] == "ok"
+        label = f"{run['arm']} r{run['repeat']}" + ("" if ok else " FAILED")
+        marker = _REPEAT_MARKERS[int(run["repeat"] or 0) % len(_REPEAT_MARKERS)]
+        if not points:
+            ax.plot([], [], color=_arm_colour(run["arm"]), marker="x", ls="none",
+                    label=label + " (no steps)")  # fmt: skip
+            continue
+        xs, ys = zip(*points, strict=True)
+        style = {"marker": marker, "ls": "-", "alpha": 0.75} if ok else {
+            "marker": "x", "ls": ":", "alpha": 0.5}  # fmt: skip
+        ax.plot(xs, ys, color=_arm_colour(run["arm"]), ms=5, lw=1, label=label, **style)
+    for name, arm in group["arms"].items():
+        stat = arm.get("step_time_s")
+        if not stat:
+            continue
+        colour = _arm_colour(name)
+        ax.axhline(stat["median"], color=colour, lw=2.2, alpha=0.9,
+                   label=f"{name} median {stat['median']:.4g} s")  # fmt: skip
+        if arm["runs_ok"] > 1:
+            ax.axhspan(stat["min"], stat["max"], color=colour, alpha=0.15,
+                       label=f"{name} spread of {arm['runs_ok']} runs")  # fmt: skip
+    ax.set_xlabel("step (step 1 not shown: warm-up)")
+    ax.set_ylabel("step time (s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+
+
+def _draw_per_arm(ax, group: dict, key: str, label: str) -> None:
+    """One bar per arm at its median (of run medians), every run as a dot, failures named."""
+    names = list(group["arms"])
+    for i, name in enumerate(names):
+        arm, colour = group["arms"][name], _arm_colour(name)
+        stat = arm.get(key)
+        if stat:
+            ax.bar(i, stat["median"], color=colour, alpha=0.45, width=0.6)
+            ax.text(i, stat["median"] / 2, f"{stat['median']:,.4g}", ha="center", va="center",
+                    fontsize=7)  # fmt: skip
+        else:
+            ax.text(i, 0, "failed" if arm["runs_failed"] else "-", ha="center", va="bottom",
+                    fontsize=8, color="tab:red")  # fmt: skip
+        for run in group["runs"]:
+            value = run["summary"].get(key) if run["arm"] == name else None
+            if value is not None and run["status"] == "ok":
+                marker = _REPEAT_MARKERS[int(run["repeat"] or 0) % len(_REPEAT_MARKERS)]
+                ax.plot(i, value, marker=marker, color=colour, ms=5, mec="black", mew=0.5)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    d = group["difference"].get(key)
+    ax.set_title(label + (f"\nfeat {d['pct']:+.2f}%" if d else ""), fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def plot(report: dict, path: Path) -> Path | None:
-    """Per-step time, one line per run, one subplot per (model, tag); None if nothing to draw."""
-    groups = [g for g in report["groups"] if any(r["step_times"] for r in g["runs"])]
-    if not groups:
+    """One row per (model, tag): every run's step times with each arm's median and spread,
+    then tokens/s and peak memory per arm. None if no run has a step to draw."""
+    groups = report["groups"]
+    if not any(r["step_times"] for g in groups for r in g["runs"]):
         return None
     import matplotlib
 
     matplotlib.use("Agg")  # no display on clusters; set before pyplot is imported
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(groups), 1, figsize=(8, 3.2 * len(groups)), squeeze=False)
-    colours = {"base": "tab:blue", "feat": "tab:orange"}  # neutral: no good/bad colours
-    for ax, group in zip(axes[:, 0], groups, strict=True):
-        for run in group["runs"]:
-            points = [(s, t) for s, t in run["step_times"][1:] if t is not None]
-            if points:
-                xs, ys = zip(*points, strict=True)
-                label = f"{run['arm']} r{run['repeat']}" + (
-                    "" if run["status"] == "ok" else " (failed)"
-                )
-                ax.plot(xs, ys, marker="o", color=colours.get(run["arm"]), label=label, alpha=0.8)
-        ax.set_title(f"{group['model']}  {group['tag']}  (first step not shown)", fontsize=9)
-        ax.set_xlabel("step")
-        ax.set_ylabel("step time (s)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig, axes = plt.subplots(len(groups), 3, figsize=(13, 3.8 * len(groups)), squeeze=False,
+                             width_ratios=[3.2, 1, 1], layout="constrained")  # fmt: skip
+    for row, group in zip(axes, groups, strict=True):
+        _draw_steps(row[0], group)
+        row[0].set_title(_title(group), fontsize=9, loc="left")
+        _draw_per_arm(row[1], group, "tokens_per_s", "tokens/s (median of runs)")
+        _draw_per_arm(row[2], group, "peak_mem_gib", "peak memory GiB (max per run)")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

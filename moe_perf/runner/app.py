@@ -2,6 +2,12 @@
 
 `hydra_main` is a thin shell around `runner.arm.run_arm(cfg, ...)`. In a multirun the first job
 checks every job of the sweep (composed here with Hydra's compose API) before any arm launches.
+`python -m moe_perf list` prints the presets; `--help` is Hydra's, with moe_perf's own page
+(conf/hydra/help/moe_perf.yaml).
+
+Exit codes: 0 every arm ok; 1 a config Hydra cannot compose; 2 a prerequisite failed before
+anything launched; 3 the sweep ran and at least one arm failed (set after the comparison is
+printed and written, runner/callback.py); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.runner import preflight
+from moe_perf.runner import preflight, presets
 from moe_perf.runner.arm import run_arm
 from moe_perf.runner.job import Job, say
 from moe_perf.runner.session import SweepSession
@@ -45,11 +51,14 @@ register_hydra_launcher()
 SESSION = SweepSession()  # one command, one session: its locks and the sweep its jobs join
 
 
+ARM_FAILED = 3  # the exit code of a sweep that ran and has a failed arm
+
+
 def current_job() -> Job:
     hc = HydraConfig.get()
     cwd = Path(hc.runtime.cwd)
     sweep_dir = Path(str(hc.sweep.dir))
-    return Job(
+    job = Job(
         arm_dir=Path(hc.runtime.output_dir),
         sweep_dir=sweep_dir if sweep_dir.is_absolute() else cwd / sweep_dir,
         cwd=cwd,
@@ -58,6 +67,11 @@ def current_job() -> Job:
         config_name=str(hc.job.config_name),
         overrides=list(hc.overrides.task),
     )
+    if not job.multirun:
+        job.total = 1
+    else:
+        job.total = len(sweep_job_overrides(job) or []) or None
+    return job
 
 
 def sweep_job_overrides(job: Job) -> list[list[str]] | None:
@@ -115,9 +129,23 @@ def config_dir() -> str:
     return "pkg://moe_perf.conf"
 
 
+def one_arm_note(record: dict, overrides: list[str]) -> str:
+    """A run without -m measures one arm: say so, and give the command that compares."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("arm=", "repeat="))]
+    command = " ".join(["python -m moe_perf", *kept, "-m", "arm=base,feat"])
+    return (f"measured one arm ({record['arm']}) and compared nothing; to compare base and feat "
+            f"run the sweep: {command}")  # fmt: skip
+
+
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
-    run_arm(cfg, current_job(), SESSION, check_all_jobs)
+    job = current_job()
+    record = run_arm(cfg, job, SESSION, check_all_jobs)
+    if job.multirun or bool(cfg.get("dry_run", False)):
+        return  # a multirun's exit code is set once the comparison is written (callback.py)
+    say(one_arm_note(record, job.overrides))
+    if record["status"] != "ok":
+        sys.exit(ARM_FAILED)
 
 
 def flags_first(argv: list[str]) -> list[str]:
@@ -128,6 +156,9 @@ def flags_first(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """The `moe-perf` console script and `python -m moe_perf`."""
+    if sys.argv[1:] == ["list"]:
+        print(presets.listing(config_dir()), end="")
+        return
     sys.argv[1:] = flags_first(sys.argv[1:])
     try:
         hydra_main()

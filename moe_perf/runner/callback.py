@@ -8,9 +8,10 @@ Registered in conf/config.yaml as::
           _target_: moe_perf.runner.callback.CompareCallback
 
 Hydra gives `on_multirun_end` no job results, so the records are read back from the sweep
-directory (REFERENCE §7). Hydra also turns a callback's exception into a warning that is easy
-to miss, so nothing here raises: a failure is printed as one clear line, with the command
-that re-runs the comparison by hand.
+directory. Hydra also turns a callback's exception into a warning that is easy to miss, so
+nothing here raises: a failure is printed as one clear line, with the command that re-runs the
+comparison by hand. The one deliberate exit is SystemExit(3) once everything is printed and
+written, when an arm of the sweep failed (Hydra lets SystemExit through: the command's exit code).
 """
 
 from __future__ import annotations
@@ -21,6 +22,27 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+ARM_FAILED = 3  # the command's exit code when the sweep ran and at least one arm failed
+
+
+def written_files(report: dict, sweep_dir: Path) -> list[str]:
+    """What the sweep left in its directory, one line per place: the comparison, the sweep's
+    state, and each arm's directory with its entries (`torchrun/`, `wandb/` are folders)."""
+    top = sorted(p.name for p in sweep_dir.glob("comparison*"))
+    top += ["multirun.yaml"] if (sweep_dir / "multirun.yaml").exists() else []
+    state = sweep_dir / ".moe_perf"  # the sweep's refs -> SHAs, the arms' identity records
+    top += sorted(f".moe_perf/{e.name}" + ("/" if e.is_dir() else "") for e in state.glob("*"))
+    lines = [f"  {sweep_dir}/  {' '.join(top)}"]
+    for group in report["groups"]:
+        for run in group["runs"]:
+            arm_dir = Path(run["metrics_json"]).parent if run.get("metrics_json") else None
+            if arm_dir is None or not arm_dir.is_dir():
+                continue
+            entries = sorted(e.name + ("/" if e.is_dir() else "") for e in arm_dir.iterdir())
+            shown = arm_dir.relative_to(sweep_dir) if arm_dir.is_relative_to(sweep_dir) else arm_dir
+            lines.append(f"  {shown}/  {' '.join(entries)}")
+    return lines
 
 
 def sweep_dir_of(config: DictConfig) -> Path:
@@ -48,11 +70,16 @@ class CompareCallback(Callback):
             sweep_dir = sweep_dir_of(config)
             # Imported here: the comparison pulls in matplotlib, which the jobs never need.
             from moe_perf.report.comparison import compare_sweep
+            from moe_perf.report.render import verdict
 
-            _, text = compare_sweep(sweep_dir, write=self.write)
+            report, text = compare_sweep(sweep_dir, write=self.write)
             print("\n" + text, end="", flush=True)
             if self.write:
-                print(f"[moe_perf] comparison written to {sweep_dir}/comparison.md", flush=True)
+                print("[moe_perf] files written:", flush=True)
+                print("\n".join(written_files(report, sweep_dir)), flush=True)
+            for group in report["groups"]:
+                print(f"[moe_perf] {verdict(group)}", flush=True)
+            failed = [r for g in report["groups"] for r in g["runs"] if r["status"] != "ok"]
         except Exception as exc:  # a callback must never fail the sweep: say why, plainly
             where = sweep_dir if sweep_dir is not None else "<sweep dir>"
             print(
@@ -61,6 +88,11 @@ class CompareCallback(Callback):
                 file=sys.stderr,
                 flush=True,
             )
+            return
+        if failed:
+            print(f"[moe_perf] {len(failed)} run(s) of this sweep failed: exit code {ARM_FAILED}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            raise SystemExit(ARM_FAILED)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """Nothing: each arm writes its own record; comparing waits for the sweep's end."""

@@ -19,6 +19,7 @@ class Job:
     cwd: Path
     num: int = 0
     multirun: bool = False
+    total: int | None = None  # jobs in this sweep, when the sweeper's order is known
     config_name: str = "config"
     overrides: list[str] = field(default_factory=list)
 

@@ -142,7 +142,11 @@ def _log_run(record: dict, arm_dir: Path, cfg: dict, mode: str) -> str:
         run.summary["status"] = record.get("status")
         run_dir = Path(run.dir).parent
         where = run.url if mode == "online" else f"{run_dir} (upload later: wandb sync {run_dir})"
-        print(f"[moe_perf] wandb run {run.name}: {where}", flush=True)
+        asked = (cfg.get("mode") or "auto").lower()
+        why = f"wandb.mode={asked}" if asked != "auto" else (
+            "wandb.mode=auto and an API key is configured" if mode == "online"
+            else "wandb.mode=auto and no API key: WANDB_API_KEY or a netrc entry")  # fmt: skip
+        print(f"[moe_perf] wandb {mode} ({why}): run {run.name}: {where}", flush=True)
         return str(run_dir)
     finally:
         run.finish(exit_code=0 if record.get("status") == "ok" else 1)

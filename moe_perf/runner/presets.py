@@ -1,0 +1,54 @@
+"""`python -m moe_perf list`: every shipped preset in one line, read from the option files.
+
+A model shows what decides its cost (layers, experts, top-k, hidden); a mesh its layout (world,
+pp/cp/ep, the inferred dp) and where it is meant to run; the other groups list their options.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from moe_perf.common.mesh import MeshDims
+
+# A world of up to 4 ranks runs on a CPU in the tests; the larger meshes are sized for GPUs.
+CPU_WORLD = 4
+OTHER_GROUPS = ("dtype", "trainer", "launcher", "arm")
+
+
+def conf_root(config_dir: str) -> Path:
+    """The directory behind `config_dir()`: a path, or `pkg://moe_perf.conf`."""
+    if config_dir.startswith("pkg://"):
+        return Path(str(resources.files(config_dir.removeprefix("pkg://"))))
+    return Path(config_dir)
+
+
+def model_line(path: Path) -> str:
+    m = OmegaConf.load(path)
+    return (f"{path.stem:<18} {m.num_layers:>3} layers  {m.num_experts:>3} experts  "
+            f"top-{m.top_k}  hidden {m.hidden}")  # fmt: skip
+
+
+def mesh_line(path: Path) -> str:
+    m = OmegaConf.load(path)
+    dims = MeshDims(world=int(m.nnodes) * int(m.nproc_per_node), pp=m.pp, cp=m.cp, ep=m.ep)
+    where = "CPU or GPU" if dims.world <= CPU_WORLD else "GPU"
+    if m.nnodes > 1:
+        where += f", {m.nnodes} nodes x {m.nproc_per_node}"
+    return (f"{path.stem:<10} world {dims.world:>2}  pp{dims.pp} cp{dims.cp} ep{dims.ep}  "
+            f"dp{dims.dp}  {where}")  # fmt: skip
+
+
+def listing(config_dir: str) -> str:
+    root = conf_root(config_dir)
+    lines = ["model (python -m moe_perf model=NAME):"]
+    lines += ["  " + model_line(p) for p in sorted((root / "model").glob("*.yaml"))]
+    lines += ["", "mesh (mesh=NAME; dp = world / (pp*cp), inferred):"]
+    lines += ["  " + mesh_line(p) for p in sorted((root / "mesh").glob("*.yaml"))]
+    lines.append("")
+    for group in OTHER_GROUPS:
+        names = ", ".join(p.stem for p in sorted((root / group).glob("*.yaml")))
+        lines.append(f"{group}: {names}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,123 @@
+"""What the console says while a sweep runs: which arm of how many, why nothing prints yet,
+each step with the time spent and the time left, and how many threads each rank gets.
+
+Pure Python and stateless except for `StepProgress`, which remembers when the step lines of one
+arm arrived. The launch's reader (launchers/process.py) feeds it one parsed step at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def shown(value: float | None, spec: str) -> str:
+    return "?" if value is None else format(value, spec)
+
+
+def clock_time(seconds: float) -> str:
+    """`0:42`, `12:05`, `1:02:03`: what people read at a glance."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class StepProgress:
+    """One arm's step lines: `[base] step 3/8  0.4121 s  159,021 tokens/s  peak 12.40 GiB
+    loss 10.8  elapsed 0:42  ETA 2:10`.
+
+    Elapsed counts from the launch (start-up included). The ETA is the steps left times the
+    median wall time between step lines, which includes whatever the trainer does between two
+    timed steps; step 1 carries warm-up and compilation, so until step 2 arrives the ETA uses
+    step 1's time and is marked as an upper bound (`ETA <0:30`).
+    """
+
+    def __init__(self, label: str, max_steps: int | None,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+        self.label, self.max_steps, self.clock = label, max_steps, clock
+        self.started = clock()
+        self.arrivals: list[float] = []
+
+    def eta(self, step: int, total: int | None, step_time_s: float | None) -> str | None:
+        if not total or step >= total or not self.arrivals:
+            return None
+        left = total - step
+        gaps = [b - a for a, b in zip(self.arrivals, self.arrivals[1:], strict=False)]
+        if gaps:
+            return clock_time(left * statistics.median(gaps))
+        first = step_time_s if step_time_s is not None else self.arrivals[0] - self.started
+        return "<" + clock_time(left * first)
+
+    def line(self, sample: dict) -> str:
+        self.arrivals.append(self.clock())
+        total = sample.get("max_steps") or self.max_steps
+        step = int(sample["step"])
+        parts = [f"[{self.label}] step {step}/{total or '?'}"]
+        parts.append(f"{shown(sample.get('step_time_s'), '.4f')} s")
+        parts.append(f"{shown(sample.get('tokens_per_s'), ',.0f')} tokens/s")
+        parts.append(f"peak {shown(sample.get('peak_mem_gib'), '.2f')} GiB")
+        if sample.get("loss") is not None:
+            parts.append(f"loss {sample['loss']:.4g}")
+        parts.append(f"elapsed {clock_time(self.arrivals[-1] - self.started)}")
+        eta = self.eta(step, total, sample.get("step_time_s"))
+        if eta:
+            parts.append(f"ETA {eta}")
+        return "  ".join(parts)
+
+
+# ---- threads per rank ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankThreads:
+    """OMP_NUM_THREADS for each rank of one launch, and where that number came from.
+
+    torchrun sets 1 thread per rank on its own, with a four-line banner, whenever more than one
+    process starts and OMP_NUM_THREADS is unset. moe_perf sets it instead, to the cores this
+    process may use divided by the ranks on this node, so the ranks share the cores without
+    oversubscribing them; an OMP_NUM_THREADS in the environment is kept.
+    """
+
+    threads: int
+    cores: int
+    ranks: int
+    from_environment: bool
+
+    @classmethod
+    def for_launch(cls, nproc_per_node: int) -> RankThreads:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores, ranks = cores or 1, max(1, int(nproc_per_node))
+        given = os.environ.get("OMP_NUM_THREADS", "")
+        if given.isdigit() and int(given) > 0:
+            return cls(int(given), cores, ranks, from_environment=True)
+        return cls(max(1, cores // ranks), cores, ranks, from_environment=False)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {} if self.from_environment else {"OMP_NUM_THREADS": str(self.threads)}
+
+    def describe(self) -> str:
+        ranks = f"{self.ranks} rank{'s' if self.ranks > 1 else ''}"
+        if self.from_environment:
+            return f"{ranks}, OMP_NUM_THREADS={self.threads} each (from your environment)"
+        return (f"{ranks}, OMP_NUM_THREADS={self.threads} each ({self.cores} cores / "
+                f"{self.ranks}; set OMP_NUM_THREADS to choose)")  # fmt: skip
+
+
+# ---- the arm's first lines -------------------------------------------------------------------
+
+
+def arm_count(num: int, total: int | None) -> str:
+    """`arm 2/4` in a sweep whose jobs are known, `arm 2` otherwise."""
+    return f"arm {num + 1}/{total}" if total else f"arm {num + 1}"
+
+
+def starting_line(label: str, threads: RankThreads, compiled: bool) -> str:
+    """Why the next minute may be silent: start-up, model build and the first step."""
+    first = "the first step compiles" if compiled else "the first step warms up"
+    return (f"{label}: starting: torchrun with {threads.describe()}; trainer start-up, model "
+            f"build and {first} before step 1 prints")  # fmt: skip

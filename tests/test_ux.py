@@ -1,0 +1,250 @@
+"""What a new user sees: --help, `list`, a run without -m, progress lines, the files listed and
+the verdict at the end of a sweep, the picture, a quiet console, the exit codes.
+
+The console tests run the real `python -m moe_perf` in temporary git repositories (the small
+trainer of conftest.py); the picture tests draw real PNGs from arm records.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_RUN, moe_perf, sweep_dir
+
+from moe_perf.report.comparison import compare_records
+from moe_perf.report.record import summarize
+from moe_perf.report.render import verdict, write_outputs
+from moe_perf.runner.progress import RankThreads, StepProgress, clock_time
+
+ROOT = Path(__file__).resolve().parents[1]
+EXIT_CODES = {0, 1, 2, 3, 130}
+SHORT = [*(o for o in SMALL_RUN if not o.startswith("training.max_steps")), "training.max_steps=4"]
+
+
+def run(cwd: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=240, check=False)  # fmt: skip
+
+
+# ---- help, list, exit codes ------------------------------------------------------------------
+
+
+def documented_exit_codes(text: str) -> set[int]:
+    section = text.split("xit codes", 1)[1]
+    return {int(code) for code in re.findall(r"^\s*\|?\s*`?(\d+)`?\s", section, re.M)[:5]}
+
+
+def test_help_says_what_moe_perf_does_with_examples_groups_outputs_and_exit_codes(tmp_path):
+    result = run(tmp_path, "moe_perf", "--help")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "powered by Hydra" not in text
+    assert "A/B step time of MoE training between two git branches" in text
+    assert "python -m moe_perf [group=option ...] [key=value ...] -m arm=base,feat" in text
+    assert "model=qwen3-30b-a3b mesh=ep8 -m arm=base,feat" in text  # A/B
+    assert "-m mesh=ep2,pp2_ep2,cp2_ep2 arm=base,feat" in text  # a mesh sweep
+    assert "-m repeat=0,1,2 arm=base,feat" in text  # repeats
+    assert "python -m moe_perf list" in text
+    # Hydra's own list of every group and its options, read from conf/
+    for group in ("model", "mesh", "dtype", "arm", "trainer", "launcher"):
+        options = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+        assert f"{group}: {', '.join(options)}" in text
+    assert "outputs/validate-performance/" in text and "comparison.png" in text
+    assert "multirun.yaml" in text and "wandb/" in text and ".moe_perf/sweep.json" in text
+    assert documented_exit_codes(text) == EXIT_CODES
+    assert "3    the sweep ran and at least one arm failed" in text
+
+
+def test_compare_help_has_examples_outputs_and_exit_codes(tmp_path):
+    result = run(tmp_path, "moe_perf.compare", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "python -m moe_perf.compare outputs/validate-performance" in result.stdout
+    assert "comparison.md, comparison.json and comparison.png" in result.stdout
+    assert "exit codes: 0 compared" in result.stdout and "2 the" in result.stdout
+
+
+def test_readme_documents_the_same_exit_codes_and_outputs():
+    readme = (ROOT / "README.md").read_text()
+    assert documented_exit_codes(readme) == EXIT_CODES
+    outputs = readme.split("## Outputs", 1)[1].split("\n## ", 1)[0]
+    for name in ("comparison.png", "multirun.yaml", "wandb/", ".moe_perf/sweep.json",
+                 ".moe_perf/identity/", "metrics.json", "console.log"):  # fmt: skip
+        assert name in outputs, name
+
+
+def test_list_shows_every_preset_in_one_line(tmp_path):
+    result = run(tmp_path, "moe_perf", "list")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for kind in ("model", "mesh"):
+        for path in sorted((ROOT / "conf" / kind).glob("*.yaml")):
+            assert sum(line.split()[:1] == [path.stem] for line in lines) == 1, path.stem
+    text = re.sub(r" +", " ", result.stdout)
+    assert "qwen3-30b-a3b 48 layers 128 experts top-8" in text
+    assert "tiny 2 layers 8 experts top-2" in text
+    assert "pp2_ep8 world 16 pp2 cp1 ep8 dp8 GPU, 2 nodes x 8" in text
+    assert "cp2_ep2 world 4 pp1 cp2 ep2 dp2 CPU or GPU" in text
+    assert "ep8 world 8 pp1 cp1 ep8 dp8 GPU" in text
+
+
+def test_a_config_error_exits_1_and_a_prerequisite_error_exits_2(ab_repo):
+    unknown = moe_perf(ab_repo, "model=no-such-model")
+    assert unknown.returncode == 1, unknown.stderr
+    assert "Could not find 'model/no-such-model'" in unknown.stderr
+    impossible = moe_perf(ab_repo, *SMALL_RUN, "mesh.pp=3")
+    assert impossible.returncode == 2, impossible.stderr
+    assert (
+        "world % pp == 0 fails" in impossible.stderr and "nothing was launched" in impossible.stderr
+    )
+
+
+# ---- the console of real runs ----------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_one_arm_says_nothing_was_compared_and_how_to_compare(ab_repo):
+    # wandb in auto mode with no API key goes offline, and says why in one line
+    env = {"WANDB_API_KEY": "", "NETRC": os.devnull}
+    overrides = [o for o in SHORT if o != "wandb.mode=disabled"]
+    result = moe_perf(ab_repo, *overrides, "wandb.mode=auto", "arm=base", env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "arm 1/1: base: main @ " in out
+    assert "base: starting: torchrun with 1 rank, OMP_NUM_THREADS=1 each" in out
+    assert re.search(r"\[base\] step 2/4 .* elapsed \d+:\d\d  ETA \d+:\d\d", out), out
+    assert re.search(r"\[base\] step 1/4 .* ETA <\d+:\d\d", out), out  # an upper bound
+    assert re.search(r"\[base\] step 4/4 .* elapsed \d+:\d\d$", out, re.M), out  # nothing left
+    command = " ".join(["python -m moe_perf", *overrides, "wandb.mode=auto", "-m", "arm=base,feat"])
+    assert f"measured one arm (base) and compared nothing; to compare base and feat run the " \
+           f"sweep: {command}" in out  # fmt: skip
+    wandb_lines = [line for line in out.splitlines() if line.startswith("[moe_perf] wandb")]
+    assert len(wandb_lines) == 1, wandb_lines
+    assert "wandb offline (wandb.mode=auto and no API key" in wandb_lines[0]
+    assert not (sweep_dir(ab_repo) / "comparison.json").exists()
+
+
+@pytest.mark.slow
+def test_a_sweep_counts_arms_lists_its_files_and_ends_with_a_verdict(ab_repo):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # torchrun's banner
+    result = run(ab_repo, "moe_perf", *SHORT, "mesh=ep2", "-m", "arm=base,feat", env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "OMP_NUM_THREADS environment variable" not in out + result.stderr  # no banner
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert out.count(f"torchrun with 2 ranks, OMP_NUM_THREADS={threads} each") == 2
+    assert "arm 1/2: base" in out and "arm 2/2: feat" in out
+    assert out.index("arm 1/2: base") < out.index("[base] step 1/4") < out.index("arm 2/2: feat")
+
+    sweep = sweep_dir(ab_repo)
+    listed = out.split("[moe_perf] files written:", 1)[1]
+    (top,) = [line for line in listed.splitlines() if line.strip().startswith(f"{sweep}/")]
+    for name in ("comparison.json", "comparison.md", "comparison.png", "multirun.yaml",
+                 ".moe_perf/sweep.json", ".moe_perf/identity/"):  # fmt: skip
+        assert f" {name}" in top, top
+    (arm_dir,) = (sweep / "tiny").glob("pp1-dp2-cp1-ep2-*-base")
+    assert f"tiny/{arm_dir.name}/  config.yaml console.log metrics.json torchrun/" in listed
+    tag = arm_dir.name.removesuffix("-base")
+    assert re.search(rf"^\[moe_perf\] tiny {tag}: feat is \d+\.\d\d% slower than base \(one run "
+                     r"per arm: the run-to-run spread is unknown\)$", out, re.M), out  # fmt: skip
+    assert out.index("files written:") < out.index(f"[moe_perf] tiny {tag}: feat is")
+    assert (sweep / "comparison.png").stat().st_size > 20_000
+
+
+# ---- the picture -----------------------------------------------------------------------------
+
+
+def arm_record(arm: str, repeat: int, step_s: float, failed: bool = False, sha: str = "a",
+               tag: str = "pp1-dp1-cp1-ep1-seq64-fp32") -> dict:  # fmt: skip
+    steps = [{"step": s, "step_time_s": step_s * (3 if s == 1 else 1 + 0.01 * (s % 3)),
+              "tokens_per_s": 256 / step_s, "peak_mem_gib": 0.5, "loss": 5.0}
+             for s in range(1, 3 if failed else 9)]  # fmt: skip
+    return {"model": "tiny", "tag": tag, "arm": arm, "repeat": repeat, "sha": sha * 40,
+            "ref": arm, "status": "failed" if failed else "ok", "exit_code": 1 if failed else 0,
+            "failure": "trainer exited with code 1" if failed else None, "log": "console.log",
+            "steps": steps, "summary": summarize(steps), "config": {}}  # fmt: skip
+
+
+def draw(tmp_path: Path, records: list[dict]) -> tuple[dict, Path]:
+    report = compare_records(records)
+    files = write_outputs(report, tmp_path)
+    (png,) = [f for f in files if f.suffix == ".png"]
+    assert png.stat().st_size > 20_000  # a drawn figure, not an empty canvas
+    return report, png
+
+
+def test_picture_of_an_ab_run(tmp_path):
+    report, _ = draw(
+        tmp_path, [arm_record("base", 0, 0.100), arm_record("feat", 0, 0.103, sha="b")]
+    )
+    (group,) = report["groups"]
+    assert re.fullmatch(r"tiny \S+: feat is 3\.00% slower than base \(one run per arm: the "
+                        r"run-to-run spread is unknown\)", verdict(group))  # fmt: skip
+
+
+def test_picture_of_a_repeat_sweep(tmp_path):
+    records = [arm_record(arm, r, (0.100 if arm == "base" else 0.110) + 0.001 * r,
+                          sha="a" if arm == "base" else "b")
+               for r in range(3) for arm in ("base", "feat")]  # fmt: skip
+    report, _ = draw(tmp_path, records)
+    assert verdict(report["groups"][0]).endswith("slower than base, outside the run-to-run spread")
+
+
+def test_picture_of_an_aa_sweep_says_so(tmp_path):
+    records = [arm_record(arm, r, 0.1 + 0.001 * r) for r in range(2) for arm in ("base", "feat")]
+    report, _ = draw(tmp_path, records)
+    text = verdict(report["groups"][0])
+    assert "within the run-to-run spread" in text and "A/A run" in text
+
+
+def test_picture_of_a_sweep_with_a_failed_arm(tmp_path):
+    records = [arm_record("base", 0, 0.1), arm_record("feat", 0, 0.1, failed=True, sha="b"),
+               arm_record("base", 0, 0.2, tag="pp1-dp2-cp1-ep2-seq64-fp32"),
+               arm_record("feat", 0, 0.21, sha="b", tag="pp1-dp2-cp1-ep2-seq64-fp32")]  # fmt: skip
+    report, _ = draw(tmp_path, records)
+    failed, ok = report["groups"]
+    assert verdict(failed).endswith("not compared, no successful run of feat (1 of 2 runs failed)")
+    assert "feat is 5.00% slower than base" in verdict(ok)
+
+
+# ---- progress and threads --------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_step_progress_eta_comes_from_the_measured_steps():
+    clock = Clock()
+    progress = StepProgress("feat", 10, clock=clock)
+    clock.now += 30  # start-up and step 1
+    first = progress.line({"step": 1, "step_time_s": 12.0, "tokens_per_s": 10.0,
+                           "peak_mem_gib": 1.0})  # fmt: skip
+    assert first.startswith("[feat] step 1/10  12.0000 s  10 tokens/s  peak 1.00 GiB")
+    assert first.endswith("elapsed 0:30  ETA <1:48")  # 9 steps of step 1's 12 s, at most
+    for step, gap in ((2, 5.0), (3, 7.0), (4, 5.0)):
+        clock.now += gap
+        line = progress.line({"step": step, "step_time_s": 5.0, "tokens_per_s": None,
+                              "peak_mem_gib": None})  # fmt: skip
+    assert "? tokens/s  peak ? GiB" in line
+    assert line.endswith("elapsed 0:47  ETA 0:30")  # 6 steps left x the median gap of 5 s
+    assert clock_time(3723) == "1:02:03"
+
+
+def test_rank_threads_split_the_cores_unless_the_environment_says(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    threads = RankThreads.for_launch(2)
+    assert threads.env == {"OMP_NUM_THREADS": str(max(1, cores // 2))}
+    assert f"({cores} cores / 2; set OMP_NUM_THREADS to choose)" in threads.describe()
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    given = RankThreads.for_launch(8)
+    assert given.env == {} and "OMP_NUM_THREADS=3 each (from your environment)" in given.describe()
