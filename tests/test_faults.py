@@ -35,9 +35,9 @@ STAND_IN = textwrap.dedent(
     def line(step, of, t, tps):
         return f"[moe_perf] step={step}/{of} step_time_s={t} tokens_per_s={tps} peak_mem_gib=1.0"
 
-    if MODE == "ignore_term":
+    if MODE == "ignore_term":  # tells the test its pid, once it ignores SIGTERM
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with open(os.environ["MOE_PERF_ARM_DIR"] + f"/../pid-{rank}", "w") as f:
+        with open(os.path.join(os.environ["TEST_PID_DIR"], f"pid-{rank}"), "w") as f:
             f.write(str(os.getpid()))
     for step in range(1, steps + 1):
         time.sleep(0.02)
@@ -163,3 +163,89 @@ def test_a_failed_arm_has_its_code_and_reason_and_the_sweep_exits_3(tmp_path, mo
               if r["arm"] == "feat"]  # fmt: skip
     assert reason in run["failure"]
     assert reason in (sweep_dir(repo) / "comparison.md").read_text()
+
+
+# ---- orphans and interrupts ------------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def start_runner(repo: Path, pid_dir: Path, *args: str) -> tuple[subprocess.Popen, int]:
+    """`python -m moe_perf ARGS` in the background, once its trainer (mode ignore_term) runs:
+    (the runner, the trainer's pid)."""
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "moe_perf", *RUN, *args],
+        cwd=repo,
+        env={**os.environ, "TEST_PID_DIR": str(pid_dir)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not (pid_dir / "pid-0").exists():
+        assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+        time.sleep(0.1)
+    time.sleep(0.3)  # past the pid file: in the loop that ignores SIGTERM
+    return runner, int((pid_dir / "pid-0").read_text())
+
+
+def test_a_killed_runners_launch_is_stopped_by_the_next_sweep(tmp_path):
+    repo = stand_in_repo(tmp_path / "repo", base="ignore_term", feat="ok")
+    runner, trainer = start_runner(repo, tmp_path, "arm=base")
+    runner.kill()  # SIGKILL: the OOM killer, a closed terminal
+    runner.communicate()
+    try:
+        time.sleep(1)
+        assert alive(trainer)  # orphaned: re-parented, still holding the devices
+        assert len(git(repo, "worktree", "list").splitlines()) == 2
+        result = moe_perf(repo, *RUN, "arm=feat")
+        out = result.stdout + result.stderr
+        assert result.returncode == 0, out[-3000:]
+        assert "stopped 1 launch(es) of an earlier moe_perf sweep whose runner died" in out
+        assert f"{trainer} (" in out  # named by pid
+        assert "removed 1 worktree(s) left by an earlier moe_perf sweep" in out
+        assert not alive(trainer)
+        assert len(git(repo, "worktree", "list").splitlines()) == 1
+        assert arm_record(repo, "feat")["status"] == "ok"
+    finally:
+        if alive(trainer):
+            os.kill(trainer, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_says_what_it_does_and_returns_when_the_arm_is_gone(tmp_path, presses):
+    repo = stand_in_repo(tmp_path / "repo", base="ignore_term")
+    runner, trainer = start_runner(repo, tmp_path, "arm=base", "launcher.kill_grace_s=4")
+    try:
+        runner.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        if presses == 2:
+            time.sleep(1.0)
+            runner.send_signal(signal.SIGINT)
+        out, err = runner.communicate(timeout=60)
+        took = time.monotonic() - started
+        console = out + err
+        assert runner.returncode == 130, console[-3000:]
+        assert not alive(trainer)  # the runner exits only once the arm's processes are gone
+        assert "interrupted: stopping the arm (SIGTERM to its processes); waiting up to 4 s" in (
+            console
+        )
+        if presses == 2:
+            assert "interrupted again: SIGKILL sent" in console and took < 4
+        else:
+            assert "still up after 4 s: SIGKILL sent" in console and took >= 4
+        # torchrun's own words about the signal stay in console.log
+        assert "Traceback" not in console and "closing signal SIGTERM" not in console
+        assert "closing signal SIGTERM" in (arm_dir(repo, "base") / "console.log").read_text()
+        assert len(git(repo, "worktree", "list").splitlines()) == 1
+        assert arm_record(repo, "base")["failure"] == "interrupted (Ctrl-C/SIGTERM)"
+    finally:
+        runner.kill()
+        if alive(trainer):
+            os.kill(trainer, signal.SIGKILL)

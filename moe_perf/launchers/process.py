@@ -20,14 +20,12 @@ from pathlib import Path
 from typing import TextIO
 
 from moe_perf.launchers.failures import LaunchFailure, describe, read_failure
+from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
 from moe_perf.report.logformats import LogReader, ParsedLog, RunShape
 from moe_perf.runner.progress import StepProgress
 
 # torchrun --tee prefixes every worker line with its local rank: "[default0]:" (or "[rank0]:").
 _RANK_PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
-# Every process of one launch carries this variable, so leftovers are found even after torchrun
-# is gone (its workers run in sessions of their own, outside its process group).
-LAUNCH_TOKEN_ENV = "MOE_PERF_LAUNCH"
 
 
 @dataclass
@@ -39,19 +37,22 @@ class LaunchResult:
     trainer_wall_s: float = 0.0
     log_format: str = "contract"
     derivations: list[str] = field(default_factory=list)  # what was derived, in words
-
     launch_exit_code: int | None = None  # the launcher's own (torchrun's, srun's) exit status
 
-def trainer_env(
-    worktree: Path, arm_dir: Path, token: str, extra: dict[str, str] | None = None
-) -> dict[str, str]:
+
+def trainer_env(worktree: Path, arm_dir: Path, token: str, extra: dict[str, str] | None = None,
+                repo: Path | None = None) -> dict[str, str]:  # fmt: skip
     env = dict(os.environ)
     env.update(extra or {})
     # the worktree first, so an arm whose repository holds the trainer runs its own code
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(worktree), env.get("PYTHONPATH")) if p)
     env["MOE_PERF_ARM_DIR"] = str(arm_dir)
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the console as the step ends, not at exit
+    # every process of the launch carries these: leftovers are found even after torchrun (its
+    # workers run in sessions of their own) or the runner itself is gone (orphans.py)
     env[LAUNCH_TOKEN_ENV] = token
+    if repo is not None:
+        env[LAUNCH_REPO_ENV] = str(Path(repo).resolve())
     return env
 
 
@@ -72,6 +73,7 @@ class _Pump:
         self.stream, self.log, self.label, self.echo = stream, log, label, echo
         self.reader, self.max_steps = reader, max_steps
         self.progress = StepProgress(label, max_steps)  # elapsed and ETA per step line
+        self.quiet = False  # stopping: torchrun's words about the signal go to console.log only
         self.thread = threading.Thread(target=self._run, name=f"pump-{label}", daemon=True)
 
     def _run(self) -> None:
@@ -82,6 +84,8 @@ class _Pump:
 
     def _handle(self, line: str) -> None:
         sample = self.reader.feed(line)
+        if self.quiet:
+            return
         if sample is not None:
             self._print(self.progress.line(sample))
             return
@@ -124,28 +128,66 @@ def _signal_all(proc: subprocess.Popen, pids: set[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def stop_launch(proc: subprocess.Popen, token: str, grace_s: float) -> None:
-    """SIGTERM to torchrun's group and every process of this launch, SIGKILL after `grace_s`.
+class _Escalation:
+    """While an interrupted arm is being stopped, a second Ctrl-C (or SIGTERM) means "kill it
+    now", never "leave it running": the signal sets a flag instead of raising."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Escalation:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._request)
+        return self
+
+    def _request(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _launch_gone(proc: subprocess.Popen, token: str) -> bool:
+    return proc.poll() is not None and not _processes_with_token(token)
+
+
+def stop_launch(proc: subprocess.Popen, token: str, grace_s: float,
+                notify: Callable[[str], None] | None = None) -> None:  # fmt: skip
+    """SIGTERM to torchrun's group and every process of this launch, SIGKILL after `grace_s`
+    or at a second Ctrl-C; returns only when no process of the launch is left.
 
     torchrun forwards SIGTERM to its workers; whatever is still there after the grace period
-    (a hung collective, say) is killed. Leaves no process of this launch behind.
+    (a hung collective, a trainer that ignores SIGTERM) is killed. `notify` is told what
+    happens while it takes long (an interrupted sweep's console).
     """
     pids = _processes_with_token(token)
     if proc.poll() is not None and not pids:
         return
-    _signal_all(proc, pids, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None and not _processes_with_token(token):
+    with _Escalation() as escalation:
+        _signal_all(proc, pids, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not escalation.requested:
+            if _launch_gone(proc, token):
+                return
+            time.sleep(0.1)
+        if _launch_gone(proc, token):
             return
-        time.sleep(0.1)
-    _signal_all(proc, _processes_with_token(token), signal.SIGKILL)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
-    # SIGKILLed workers are reparented and reaped by init; wait until they are gone
-    deadline = time.monotonic() + 5
-    while _processes_with_token(token) and time.monotonic() < deadline:
-        time.sleep(0.05)
+        if notify:
+            why = "interrupted again" if escalation.requested else f"still up after {grace_s:g} s"
+            notify(f"{why}: SIGKILL sent to the arm's processes; waiting until they are gone")
+        # SIGKILLed workers are re-parented to init and reaped there; a process in an
+        # uninterruptible wait (a driver call) dies when that returns: wait for it, say so
+        waited = 0.0
+        while not _launch_gone(proc, token):
+            _signal_all(proc, _processes_with_token(token), signal.SIGKILL)
+            time.sleep(0.2)
+            waited += 0.2
+            if notify and waited >= 10 and waited % 10 < 0.2:
+                left = " ".join(map(str, sorted(_processes_with_token(token))))
+                notify(f"still waiting for pid(s) {left or proc.pid} to exit after SIGKILL")
 
 
 def failure_of(exit_code: int | None, timed_out: bool, timeout_s: float, parsed: ParsedLog,
@@ -171,17 +213,22 @@ def run_trainer(
     echo: TextIO | None = None,
     log_format: str = "contract",
     shape: RunShape | None = None,
+    repo: Path | None = None,
 ) -> LaunchResult:
     """Run one arm's launch to the end, saving its output in `<arm_dir>/console.log`.
 
     `env` is added to the runner's environment; `failure_reason(exit_code, console_tail)` is
     the launcher's reading of a failed launch; `log_format` is how the trainer prints its
-    steps (report/logformats.py) and `shape` lets its figures be normalized. KeyboardInterrupt
-    (Ctrl-C, or SIGTERM turned into one by the caller) stops every process of the launch and
-    is re-raised.
+    steps (report/logformats.py) and `shape` lets its figures be normalized; `repo` marks the
+    launch's processes as the repository's (orphans.py). KeyboardInterrupt (Ctrl-C, or SIGTERM
+    turned into one by the caller) stops every process of the launch and is re-raised once
+    they are all gone.
     """
     echo = echo or sys.stdout
     token = uuid.uuid4().hex
+
+    def notify(text: str) -> None:
+        print(f"[moe_perf] {label}: {text}", file=echo, flush=True)
     console_log = arm_dir / "console.log"
     with open(console_log, "w", encoding="utf-8") as log:
         log.write("# " + " ".join(argv) + "\n")
@@ -189,7 +236,7 @@ def run_trainer(
         proc = subprocess.Popen(
             argv,
             cwd=cwd,
-            env=trainer_env(cwd, arm_dir, token, env),
+            env=trainer_env(cwd, arm_dir, token, env, repo),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -208,8 +255,13 @@ def run_trainer(
             timed_out = True
             stop_launch(proc, token, kill_grace_s)
             exit_code = proc.returncode
-        except BaseException:
-            stop_launch(proc, token, kill_grace_s)
+        except BaseException as exc:
+            pump.quiet = True  # torchrun's traceback of the signal: console.log only
+            if isinstance(exc, KeyboardInterrupt):
+                notify(f"interrupted: stopping the arm (SIGTERM to its processes); waiting up to "
+                       f"{kill_grace_s:g} s (launcher.kill_grace_s) for them to exit, then "
+                       f"SIGKILL; Ctrl-C again to SIGKILL now")  # fmt: skip
+            stop_launch(proc, token, kill_grace_s, notify)
             pump.thread.join(timeout=5)
             raise
         wall_s = time.perf_counter() - start

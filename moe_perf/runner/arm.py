@@ -79,6 +79,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str) -> LaunchRes
         )
 
 
+            repo=Path(sweep.repo),
 def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, started: str,
                t0: float, extra: dict) -> dict:  # fmt: skip
     arm = config["arm"]["name"]

@@ -86,13 +86,17 @@ def is_ignored(repo: str | Path, path: str | Path) -> bool:
     return proc.returncode == 0
 
 
+# An arm's worktree is `<tmp>/moe_perf-<label>-<random>/worktree`: how a stale one is known.
+WORKTREE_PREFIX = "moe_perf-"
+
+
 @contextlib.contextmanager
 def worktree(repo: str | Path, sha: str, label: str) -> Iterator[Path]:
     """A detached worktree of `repo` at `sha` in a temp directory outside the repository.
 
     Removed on the way out, also when the body raises (timeout, Ctrl-C).
     """
-    parent = Path(tempfile.mkdtemp(prefix=f"moe_perf-{label}-"))
+    parent = Path(tempfile.mkdtemp(prefix=f"{WORKTREE_PREFIX}{label}-"))
     path = parent / "worktree"
     try:
         git(repo, "worktree", "add", "--detach", "--quiet", str(path), sha)
@@ -115,6 +119,22 @@ def worktree_paths(repo: str | Path) -> list[Path]:
     out = git(repo, "worktree", "list", "--porcelain")
     prefix = "worktree "
     return [Path(line[len(prefix) :]) for line in out.splitlines() if line.startswith(prefix)]
+
+
+def moe_perf_worktrees(repo: str | Path) -> list[Path]:
+    """The arm worktrees of `repo` that git knows of (after pruning those whose directory is
+    gone). With the sweep lock held, every one of them is a leftover of a dead runner."""
+    with contextlib.suppress(GitError):
+        git(repo, "worktree", "prune")
+    return [
+        path for path in worktree_paths(repo)[1:]
+        if path.name == "worktree" and path.parent.name.startswith(WORKTREE_PREFIX)
+    ]  # fmt: skip
+
+
+def remove_stale_worktree(repo: str | Path, path: Path) -> None:
+    remove_worktree(repo, path)
+    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 class SweepLock:

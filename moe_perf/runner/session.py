@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
+from moe_perf.launchers import orphans
 from moe_perf.report import sweep as sweeps
 from moe_perf.report.record import now_iso
 from moe_perf.runner import git, preflight
@@ -31,6 +32,35 @@ def trainer_code_note(repo: Path, code_path: str, shas: dict) -> str | None:
         )
     missing = ", ".join(arm for arm, there in present.items() if not there)
     return f"trainer.code_path={code_path} is missing at {missing}: it runs the installed trainer"
+
+
+def clean_up_dead_sweeps(repo: Path, grace_s: float) -> None:
+    """Stops the launches of an earlier sweep on `repo` whose runner died and removes its
+    worktrees, saying what was done; refuses (naming the pids) when one cannot be stopped.
+
+    Called with the repository's lock held: no live sweep on it has a launch running.
+    """
+    found = orphans.launches(repo)
+    if found:
+        pids = set().union(*found.values())
+        shown = orphans.describe_pids(pids)
+        left = orphans.stop_pids(pids, grace_s)
+        if left:
+            listed = " ".join(map(str, sorted(left)))
+            raise PrerequisiteError(
+                f"an earlier moe_perf sweep on {repo} died and its launch is still running: "
+                f"pid(s) {orphans.describe_pids(left)}, which this user cannot stop; it would "
+                f"share the devices with this sweep. Stop it as its owner (`kill -9 {listed}`) "
+                f"and start the sweep again"
+            )
+        say(f"stopped {len(found)} launch(es) of an earlier moe_perf sweep whose runner died, "
+            f"still running and holding the devices: pid(s) {shown}")  # fmt: skip
+    stale = git.moe_perf_worktrees(repo)
+    for path in stale:
+        git.remove_stale_worktree(repo, path)
+    if stale:
+        say(f"removed {len(stale)} worktree(s) left by an earlier moe_perf sweep whose runner "
+            f"died: {', '.join(map(str, stale))}")  # fmt: skip
 
 
 def announce(sweep: sweeps.Sweep, code_path: str | None) -> None:
@@ -83,6 +113,7 @@ class SweepSession:
         ignore_outputs(repo, job.sweep_dir)
         self._lock(repo, sweep_id)
         try:
+            clean_up_dead_sweeps(repo, float(cfg.launcher.get("kill_grace_s", 10)))
             refs = {"base": cfg.refs.base, "feat": cfg.refs.feat}
             shas = preflight.check_sweep(repo, refs)
             if not (job.multirun and check_all_jobs and check_all_jobs(job, repo)):
