@@ -76,10 +76,10 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str) -> LaunchRes
             failure_reason=launcher.failure_reason,
             log_format=trainer.log_format,
             shape=RunShape.of_config(cfg),
+            repo=Path(sweep.repo),
         )
 
 
-            repo=Path(sweep.repo),
 def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, started: str,
                t0: float, extra: dict) -> dict:  # fmt: skip
     arm = config["arm"]["name"]
