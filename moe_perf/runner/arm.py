@@ -36,9 +36,9 @@ def arm_config(cfg: DictConfig, sweep: Sweep) -> dict:
     node.refs.base, node.refs.feat = sweep.refs["base"], sweep.refs["feat"]
     node.repo = sweep.repo
     node.data.root = str(preflight.corpus_root(cfg, Path(sweep.repo)))
-    return OmegaConf.to_container(node, resolve=True)
     if explain.explain_steps(cfg):  # the profiled steps after the measured ones
         node.trainer.explain_steps = explain.explain_steps(cfg)
+    return OmegaConf.to_container(node, resolve=True)
 
 
 @contextlib.contextmanager
