@@ -42,17 +42,17 @@ def test_every_option_file_composes_and_resolves(group, option):
 
 def test_defaults():
     cfg = composed()
-    assert (cfg.model.name, cfg.dtype.name, cfg.arm.name) == ("tiny", "bf16", "base")
+    assert (cfg.model.name, cfg.dtype.name, cfg.arm.name) == ("tiny", "fp32", "base")
     assert (cfg.trainer.name, cfg.launcher.name) == ("reference", "local")
     assert mesh_dims(cfg.mesh) == MeshDims(world=1)
     assert cfg.refs.base == "main" and cfg.repeat == 0 and cfg.repo == "."
     t = cfg.training
-    assert (t.sequence_length, t.global_batch, t.micro_batch, t.max_steps) == (2048, 32, 1, 8)
+    assert (t.sequence_length, t.global_batch, t.micro_batch, t.max_steps) == (512, 32, 1, 8)
     assert t.benchmark is True and t.device == "auto"
     assert cfg.data.corpus is None and cfg.data.root == "workspace/datasets"
     assert cfg.wandb.mode == "auto"
     assert list(cfg.trainer.command) == ["-m", "moe_perf.trainer"]
-    assert cfg.tag == "pp1-dp1-cp1-ep1-seq2048-bf16"
+    assert cfg.tag == "pp1-dp1-cp1-ep1-seq512-fp32"
 
 
 def test_refs_feat_defaults_to_the_checked_out_branch(repo, monkeypatch):
@@ -154,3 +154,107 @@ def test_a_built_wheel_carries_the_configs(tmp_path):
     expected = {f"moe_perf/conf/{p.relative_to(CONF)}" for p in CONF.rglob("*.yaml")}
     assert expected <= names
     assert "moe_perf/conf/__init__.py" in names and "moe_perf/runner/app.py" in names
+
+
+# --- one set of config dataclasses, typed group schemas ---------------------------------------
+
+
+def test_the_schema_is_the_trainers_dataclasses():
+    """The runner's Hydra schema types the sections with the trainer's own classes, and what
+    the runner composes is what the trainer reads when a key is left out: one set of defaults."""
+    from dataclasses import fields
+
+    from moe_perf.common import config as trainer_config
+    from moe_perf.runner.schema import MoePerfConfig, ReferenceTrainerSchema
+
+    types = {f.name: f.type for f in fields(MoePerfConfig)}
+    for section in ("model", "mesh", "dtype", "training", "data"):
+        assert types[section] == f"{section.capitalize()}Config"
+        assert MoePerfConfig.__annotations__[section] == types[section]
+    assert issubclass(ReferenceTrainerSchema, trainer_config.TrainerConfig)
+
+    cfg = composed("model=qwen3-30b-a3b", "dtype=bf16")  # a preset that sets no training values
+    sections = ("mesh", "dtype", "training", "data", "trainer")
+    resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in sections}
+    read = trainer_config.config_from_dict(
+        {"model": OmegaConf.to_container(cfg.model, resolve=True)}
+    )  # every section but the model left to the dataclass defaults
+    for section in sections:
+        defaults = vars(getattr(read, section))
+        assert {k: resolved[section][k] for k in defaults} == defaults, section
+
+
+@pytest.mark.parametrize("group", ["trainer", "launcher"])
+def test_every_option_has_its_own_schema(group):
+    from moe_perf.runner.schema import OPTION_SCHEMAS
+
+    assert set(OPTION_SCHEMAS[group]) == set(options(group))
+    for option in options(group):
+        overrides = [f"{group}={option}"] + (["trainer.command=[x]"] if option == "command" else [])
+        node = composed(*overrides)[group]
+        assert OmegaConf.get_type(node) is OPTION_SCHEMAS[group][option]
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [("model.num_experts=abc", "model.num_experts"), ("trainer.compile=maybe", "trainer.compile"),
+     ("mesh.pp=two", "mesh.pp"), ("launcher.kill_grace_s=soon", "launcher.kill_grace_s")],
+)  # fmt: skip
+def test_a_wrong_type_fails_at_compose_time(override, key):
+    with pytest.raises(ConfigCompositionException) as err:
+        composed(override)
+    assert key in str(err.value.__cause__)
+
+
+def run_command(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "moe_perf", *overrides, "wandb.mode=disabled"],
+        capture_output=True, text=True, cwd=cwd, timeout=120,
+    )  # fmt: skip
+
+
+def test_the_command_prints_hydras_message_for_a_wrong_type(tmp_path):
+    result = run_command(tmp_path, "model.num_experts=abc")
+    assert result.returncode == 1
+    assert "Error merging override model.num_experts=abc" in result.stderr
+    assert "Value 'abc' of type 'str' could not be converted to Integer" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "outputs").exists()  # compose
+
+
+UNKNOWN_KEYS = {
+    # the typo of Hydra's own suggestion, "To append to your config use +training.max_steps"
+    "+trainingg.max_steps=4": "trainingg is not a key of the config (did you mean training?)",
+    "+trainer.compil=true": "trainer.compil is not a key of the trainer section (did you mean "
+    "trainer.compile?)",
+    "+model.num_expert=4": "(did you mean model.num_experts?)",
+    "+launcher.kill_grace=3": "(did you mean launcher.kill_grace_s?)",
+    "+data.corpuss=x": "data.corpuss is not a key of the data section",
+}
+
+
+@pytest.mark.parametrize("override", list(UNKNOWN_KEYS))
+def test_an_unknown_key_is_refused_through_the_real_command(tmp_path, override):
+    """`+key=value` adds a key even to a typed section (Hydra force-adds): refused before the
+    sweep looks at the repository (tmp_path is none), nothing written."""
+    result = run_command(tmp_path, override)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "cannot run" in line]
+    assert UNKNOWN_KEYS[override] in line and "remove or correct it" in line
+    assert_nothing_written(tmp_path)
+
+
+def assert_nothing_written(cwd: Path) -> None:
+    """No file, and no directory but an empty outputs/ (Hydra creates the job's directory
+    before moe_perf runs; the refused job removes it up to outputs/)."""
+    assert [p for p in cwd.rglob("*") if p.is_file()] == []
+    assert not (cwd / "outputs" / "validate-performance").exists()
+
+
+def test_an_unknown_key_of_another_trainer_option():
+    from moe_perf.runner.preflight import PrerequisiteError, check_config
+
+    check_config(composed("trainer=torchtitan", "trainer.compile=true"))
+    with pytest.raises(PrerequisiteError, match="trainer.pp_schedule is not a key"):
+        check_config(composed("trainer=torchtitan", "+trainer.pp_schedule=1F1B"))
+    check_config(composed("trainer=torchtitan", "+trainer.env.HF_HOME=/x"))  # a free-form map

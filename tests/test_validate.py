@@ -122,3 +122,105 @@ def test_the_trainer_refuses_a_batch_with_the_runners_message(repo, name):
         config_from_dict(resolved).validate()
     assert not isinstance(err.value, ConfigError)  # MeshError, from mesh.py
     assert runner.endswith(f"cannot run: {err.value}")
+
+
+# Issue 13's bad inputs, each with the override its one-line message must name. Before: names
+# wrote directories outside the sweep directory, arm.name=x crashed with a KeyError after
+# creating a directory, mesh.pp=0 was a ZeroDivisionError from the tag, a sequence length of 0
+# launched both arms.
+BAD_INPUTS = {
+    "model.name=../../../x": "model.name='../../../x' is not a safe directory name",
+    "model.name=a/b": "model.name='a/b' is not a safe directory name",
+    "model.name=..": "model.name='..' is not a safe directory name",
+    "tag=../../x": "tag='../../x' is not a safe directory name",
+    "tag=.hidden": "tag='.hidden' is not a safe directory name",
+    "arm.name=x": "arm.name=x: expected one of base, feat; change arm.name",
+    "arm.name=../feat": "arm.name=../feat: expected one of base, feat",
+    "trainer.name=../x": "trainer.name='../x' is not a safe directory name",
+    "launcher.name=a/b": "launcher.name='a/b' is not a safe directory name",
+    "dtype.name=../x": "dtype.name=../x: expected one of fp32, bf16, fp8",
+    "mesh.pp=0": "mesh.pp=0 must be >= 1; change mesh.pp",
+    "mesh.cp=-1": "mesh.cp=-1 must be >= 1; change mesh.cp",
+    "mesh.ep=0": "mesh.ep=0 must be >= 1; change mesh.ep",
+    "mesh.nproc_per_node=0": "mesh.nproc_per_node=0 must be >= 1",
+    "mesh.nnodes=0": "mesh.nnodes=0 must be >= 1",
+    "training.sequence_length=0": "training.sequence_length=0 must be >= 1",
+    "training.sequence_length=-8": "training.sequence_length=-8 must be >= 1",
+    "training.global_batch=0": "training.global_batch=0 must be >= 1",
+    "training.micro_batch=0": "training.micro_batch=0 must be >= 1",
+    "training.max_steps=0": "training.max_steps=0 must be >= 2 (step 1 is dropped as warm-up)",
+    "training.lr=nan": "training.lr=nan must be > 0",
+    "timeout_s=0": "timeout_s=0.0 must be > 0; change timeout_s",
+    "timeout_s=-5": "timeout_s=-5.0 must be > 0",
+    "repeat=-1": "repeat=-1 must be >= 0",
+    "model.num_layers=0": "model.num_layers=0 must be >= 1",
+    "model.num_kv_heads=0": "model.num_kv_heads=0 must be >= 1",
+    "model.top_k=9": "model.top_k=9 must be in 1..model.num_experts=8",
+    "trainer.pp_virtual_stages=0": "trainer.pp_virtual_stages=0 must be >= 1",
+    "trainer.activation_checkpointing=some": "trainer.activation_checkpointing=some: expected",
+    "launcher.kill_grace_s=-1": "launcher.kill_grace_s=-1.0 must be >= 0",
+    "mesh.device_memory_gib=0": "mesh.device_memory_gib=0.0 must be > 0",
+}
+
+
+def assert_nothing_written(repo: Path) -> None:
+    assert_nothing_launched(repo)
+    assert sorted(p.name for p in repo.parent.iterdir()) == ["repo"]  # nothing beside the repo
+    written = [p for p in repo.rglob("*") if p.is_file() and ".git" not in p.parts]
+    assert written == [repo / "README.md"]
+
+
+# through the real command: the names that become paths, and the inputs that crashed before
+THROUGH_THE_COMMAND = [
+    "model.name=../../../x",
+    "tag=../../x",
+    "arm.name=x",
+    "trainer.name=../x",
+    "dtype.name=../x",
+    "mesh.pp=0",
+    "training.sequence_length=0",
+    "timeout_s=0",
+]
+
+
+@pytest.mark.parametrize("override", list(BAD_INPUTS))
+def test_a_bad_input_is_refused_with_one_line(override):
+    with pytest.raises(validate.PrerequisiteError) as err:
+        validate.check_config(compose_cfg(override))
+    assert BAD_INPUTS[override] in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("override", THROUGH_THE_COMMAND)
+def test_a_bad_input_is_one_line_before_anything_is_written(repo, override):
+    result = moe_perf(repo, override, "wandb.mode=disabled")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "Error" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "cannot run" in line]
+    assert BAD_INPUTS[override] in line
+    assert_nothing_written(repo)
+
+
+def test_a_bad_input_in_a_sweep_stops_it_before_any_arm(repo):
+    result = moe_perf(repo, "-m", "arm=base,feat", "training.sequence_length=0,64")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "training.sequence_length=0 must be >= 1" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert_nothing_launched(repo)
+
+
+@pytest.mark.parametrize(
+    "override", ["training.sequence_length=0", "mesh.pp=0", "training.max_steps=1"]
+)
+def test_the_trainer_refuses_a_value_out_of_range_with_the_runners_message(override):
+    """The same bounds (the field's metadata in common/config.py) on both sides."""
+    cfg = compose_cfg(override)
+    runner = None
+    try:
+        validate.check_config(cfg)
+    except validate.PrerequisiteError as err:
+        runner = str(err)
+    sections = ("model", "mesh", "dtype", "training", "data", "trainer")
+    resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in sections}
+    with pytest.raises(ConfigError) as err:
+        config_from_dict(resolved).validate()
+    assert runner is not None and str(err.value) == runner
