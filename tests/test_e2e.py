@@ -86,7 +86,9 @@ def test_ab_sweep_feat_is_slower(tmp_path):
     assert group["difference"]["step_time_s"]["pct"] > 0
     assert "A/A" not in result.stdout
     assert_repo_untouched(repo)
-    assert (repo / "outputs" / ".gitignore").read_text().strip().endswith("*")
+    # the sweep directory ignores itself; nothing above it is hidden from git
+    assert (sweep_dir(repo) / ".gitignore").read_text().strip().endswith("*")
+    assert not (repo / "outputs" / ".gitignore").exists()
 
 
 def test_two_meshes_give_two_comparisons(ab_repo):
@@ -129,7 +131,7 @@ def test_single_run_and_earlier_runs_are_kept(ab_repo):
     assert not (sweep_dir(ab_repo) / "comparison.json").exists()  # one arm: nothing to compare
     second = moe_perf(ab_repo, *SMALL_RUN, "arm=base")
     assert_ok(second)
-    kept = sweep_dir(ab_repo) / "tiny" / "previous" / first_id / f"{TAG}-base"
+    kept = sweep_dir(ab_repo) / "previous" / first_id / "tiny" / f"{TAG}-base"
     assert record(kept)["sweep_id"] == first_id
     assert record(arm_dir)["sweep_id"] != first_id
     assert_repo_untouched(ab_repo)

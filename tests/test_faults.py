@@ -78,7 +78,8 @@ def stand_in_repo(path: Path, base: str = "ok", feat: str = "ok") -> Path:
     make_repo(path, {"faulty/train.py": STAND_IN.replace('MODE = "ok"', f'MODE = "{base}"'),
                      ".gitignore": "__pycache__/\n"})  # fmt: skip
     git(path, "checkout", "-q", "-b", "feature")
-    commit(path, {"faulty/train.py": STAND_IN.replace('MODE = "ok"', f'MODE = "{feat}"')}, "feat")
+    feat_text = STAND_IN.replace('MODE = "ok"', f'MODE = "{feat}"') + "# the feature branch\n"
+    commit(path, {"faulty/train.py": feat_text}, "feat")
     return path
 
 
@@ -249,3 +250,79 @@ def test_ctrl_c_says_what_it_does_and_returns_when_the_arm_is_gone(tmp_path, pre
         runner.kill()
         if alive(trainer):
             os.kill(trainer, signal.SIGKILL)
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+
+
+def test_a_users_file_under_outputs_is_never_hidden(tmp_path):
+    repo = stand_in_repo(tmp_path / "repo")
+    (repo / "outputs").mkdir()
+    (repo / "outputs" / "my-notes.txt").write_text("mine\n")  # untracked, no outputs/.gitignore
+    result = moe_perf(repo, *RUN, "-m", "arm=base,feat")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "is not clean (outputs/my-notes.txt)" in result.stderr
+    assert "?? outputs/my-notes.txt" in git(repo, "status", "--porcelain", "-uall")  # not hidden
+    assert sorted(p.name for p in (repo / "outputs").iterdir()) == ["my-notes.txt"]
+
+
+def test_a_sweep_directory_holding_a_users_files_is_refused(tmp_path):
+    repo = stand_in_repo(tmp_path / "repo")
+    commit(repo, {"outputs/validate-performance/README.md": "our results\n"}, "results")
+    git(repo, "checkout", "-q", "feature")
+    git(repo, "merge", "-q", "main")
+    result = moe_perf(repo, *RUN, "refs.base=feature", "-m", "arm=base,feat")
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "holds files moe_perf did not write" in result.stderr
+    assert "validate-performance/README.md" in result.stderr
+    assert sorted(p.name for p in sweep_dir(repo).iterdir()) == ["README.md"]
+    assert git(repo, "status", "--porcelain") == ""
+
+
+def test_a_refused_sweep_writes_nothing(tmp_path):
+    from moe_perf.runner.git import SweepLock
+
+    repo = stand_in_repo(tmp_path / "repo")
+    bad = moe_perf(repo, *RUN, "training.max_steps=1", "-m", "arm=base,feat")
+    assert bad.returncode == 2 and "training.max_steps" in bad.stderr, bad.stderr[-3000:]
+    assert not (repo / "outputs").exists()
+    lock = SweepLock(repo)  # another sweep holds the repository
+    lock.acquire({"sweep_id": "held-by-the-test"})
+    try:
+        busy = moe_perf(repo, *RUN, "-m", "arm=base,feat")
+    finally:
+        lock.release()
+    assert busy.returncode == 2, busy.stdout[-3000:] + busy.stderr[-3000:]
+    assert "another moe_perf sweep is running" in busy.stderr and "held-by-the-test" in busy.stderr
+    assert not (repo / "outputs").exists()  # no multirun.yaml, no .gitignore, nothing
+    assert git(repo, "status", "--porcelain") == ""
+
+
+def test_an_earlier_sweep_is_kept_whole_and_its_comparison_rebuilt(tmp_path):
+    repo = stand_in_repo(tmp_path / "repo")
+    first = moe_perf(repo, *RUN, "-m", "arm=base,feat")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    first_id = strict(sweep_dir(repo) / ".moe_perf" / "sweep.json")["sweep_id"]
+    second = moe_perf(repo, *RUN, "arm=base")  # a later sweep into the same directory
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"kept earlier sweep {first_id} in" in second.stdout
+    kept = sweep_dir(repo) / "previous" / first_id
+    for name in ("multirun.yaml", ".moe_perf/sweep.json", "comparison.json", "comparison.md"):
+        assert (kept / name).is_file(), name
+    assert strict(kept / ".moe_perf" / "sweep.json")["sweep_id"] == first_id
+    assert len(list(kept.glob("tiny/*/metrics.json"))) == 2
+    assert not (sweep_dir(repo) / "comparison.json").exists()  # the new sweep compared nothing
+    (kept / "comparison.json").unlink()
+    rebuilt = subprocess.run(
+        [sys.executable, "-m", "moe_perf.compare", str(sweep_dir(repo)), "--sweep", first_id],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    report = strict(kept / "comparison.json")
+    assert report["sweep_id"] == first_id and report["groups"][0]["status"] == "compared"
+    unknown = subprocess.run(
+        [sys.executable, "-m", "moe_perf.compare", str(sweep_dir(repo)), "--sweep", "nope"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert unknown.returncode == 2 and "no sweep nope in" in unknown.stderr
+    assert first_id in unknown.stderr and "Traceback" not in unknown.stderr

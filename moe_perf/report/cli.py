@@ -1,6 +1,7 @@
 """`python -m moe_perf.compare`: a sweep directory, or two logs / metrics.json files.
 
 python -m moe_perf.compare SWEEP_DIR            re-print (and re-write) a sweep's comparison
+python -m moe_perf.compare SWEEP_DIR --sweep ID an earlier sweep's, kept in SWEEP_DIR/previous/ID
 python -m moe_perf.compare BASE FEAT            two console logs or metrics.json files, each
                                                 log's format detected (report/logformats.py)
 python -m moe_perf.compare BASE FEAT --global-batch 32 --seq-length 2048 --world-size 8
@@ -9,13 +10,14 @@ python -m moe_perf.compare BASE FEAT --global-batch 32 --seq-length 2048 --world
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from moe_perf.report.comparison import compare_records, compare_sweep, load_arm
 from moe_perf.report.logformats import FORMATS, RunShape, line_parser
+from moe_perf.report.record import strict_json
 from moe_perf.report.render import render, write_outputs
+from moe_perf.report.sweep import find_sweep
 
 
 def _short(path: Path) -> str:
@@ -97,6 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="devices of the run (per-device figures)")
     p.add_argument("--out", type=Path, help="also write comparison.json/.md/.png here")
     p.add_argument("--no-write", action="store_true", help="SWEEP_DIR: print only")
+    p.add_argument("--sweep", metavar="ID",
+                   help="SWEEP_DIR: the sweep of this id (an earlier one is kept in previous/ID)")
     p.add_argument("--json", action="store_true", help="print comparison.json instead")
     return p
 
@@ -108,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.format != "auto":
             line_parser(args.format)  # a bad regex is named before any file is read
         if len(args.paths) == 1 and args.paths[0].is_dir():
-            report, text = compare_sweep(args.paths[0], write=not args.no_write)
+            where = find_sweep(args.paths[0], args.sweep) if args.sweep else args.paths[0]
+            report, text = compare_sweep(where, write=not args.no_write)
         elif len(args.paths) == 2:
             base, feat = args.paths
             report, text = compare_paths(base, feat, args.format, args.out, shape)
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"moe_perf.compare: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report, indent=2, default=str) if args.json else text, end="")
+    print(strict_json(report) if args.json else text, end="")
     return 0
 
 

@@ -20,6 +20,8 @@ from pathlib import Path
 from moe_perf.report.record import write_record
 
 STATE_DIR = ".moe_perf"
+# earlier sweeps, each a sweep directory of its own: <sweep dir>/previous/<sweep_id>/
+PREVIOUS = "previous"
 
 
 @dataclass
@@ -71,3 +73,18 @@ def current_sweep_id(sweep_dir: Path) -> str | None:
     """The id of the sweep the directory's state names: the records a comparison reads."""
     sweep_id = (_read(sweep_dir) or {}).get("sweep_id")
     return str(sweep_id) if sweep_id else None
+
+
+def find_sweep(sweep_dir: Path, sweep_id: str) -> Path:
+    """The directory of sweep `sweep_id`: the sweep directory itself when it is the current
+    sweep, else the earlier sweep kept in `previous/<sweep_id>/`."""
+    sweep_dir = Path(sweep_dir)
+    if current_sweep_id(sweep_dir) == sweep_id:
+        return sweep_dir
+    kept = sweep_dir / PREVIOUS / sweep_id
+    if kept.is_dir():
+        return kept
+    earlier = sorted(p.name for p in (sweep_dir / PREVIOUS).glob("*") if p.is_dir())
+    known = ", ".join(([current_sweep_id(sweep_dir)] if current_sweep_id(sweep_dir) else [])
+                      + earlier) or "none"  # fmt: skip
+    raise ValueError(f"no sweep {sweep_id} in {sweep_dir} (sweeps there: {known})")

@@ -74,13 +74,15 @@ def current_job() -> Job:
     return job
 
 
-def sweep_job_overrides(job: Job) -> list[list[str]] | None:
+def sweep_job_overrides(job: Job, multirun: DictConfig | None = None) -> list[list[str]] | None:
     """Every job's overrides, in the basic sweeper's order: the cartesian product of the swept
-    values, the first override varying slowest. None when another sweeper runs the sweep."""
-    try:
-        multirun = OmegaConf.load(job.sweep_dir / "multirun.yaml")
-    except OSError:
-        return None
+    values, the first override varying slowest. None when another sweeper runs the sweep.
+    `multirun`: the sweep's config (before Hydra writes it to multirun.yaml)."""
+    if multirun is None:
+        try:
+            multirun = OmegaConf.load(job.sweep_dir / "multirun.yaml")
+        except OSError:
+            return None
     if "BasicSweeper" not in str(OmegaConf.select(multirun, "hydra.sweeper._target_")):
         return None
     params = OmegaConf.select(multirun, "hydra.sweeper.params") or {}
@@ -95,12 +97,12 @@ def sweep_job_overrides(job: Job) -> list[list[str]] | None:
     return [list(job) for job in itertools.product(*choices)]
 
 
-def check_all_jobs(job: Job, repo: Path) -> bool:
+def check_all_jobs(job: Job, repo: Path, multirun: DictConfig | None = None) -> bool:
     """Every job's prerequisites, before the first arm launches (multirun only).
 
     False when the sweep's jobs cannot be listed (a sweeper other than the basic one).
     """
-    all_overrides = sweep_job_overrides(job)
+    all_overrides = sweep_job_overrides(job, multirun)
     if all_overrides is None or not GlobalHydra.instance().is_initialized():
         return False  # the job checks itself
     problems = []

@@ -125,7 +125,7 @@ def log_to_wandb(record: dict, arm_dir: Path, cfg: DictConfig) -> None:
 def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep) -> dict:
     label = f"{cfg.arm.name}{repeat_suffix(cfg.repeat, job.overrides)}"
     config = arm_config(cfg, sweep)
-    moved = outputs.move_aside(job.arm_dir)
+    moved = outputs.move_aside(job.arm_dir, job.sweep_dir)
     if moved:
         say(f"kept the earlier run of {job.arm_dir.name} in {moved}")
     job.arm_dir.mkdir(parents=True, exist_ok=True)

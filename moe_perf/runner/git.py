@@ -169,6 +169,11 @@ class SweepLock:
         os.write(fd, json.dumps({**holder, "pid": os.getpid(), "since": time.time()}).encode())
         self._fd = fd
 
+    def try_lock(self) -> None:
+        """LockBusy when another sweep holds the lock; takes nothing."""
+        self.acquire({"sweep_id": None, "probe": True})
+        self.release()
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock

@@ -8,17 +8,20 @@ per command holds the locks and the active sweep instead of module globals.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.launchers import orphans
 from moe_perf.report import sweep as sweeps
 from moe_perf.report.record import now_iso
-from moe_perf.runner import git, preflight
+from moe_perf.runner import git, outputs, preflight
 from moe_perf.runner.job import Job, say
-from moe_perf.runner.outputs import ignore_outputs
 
 
 def trainer_code_note(repo: Path, code_path: str, shas: dict) -> str | None:
@@ -91,14 +94,15 @@ class SweepSession:
             raise PrerequisiteError(str(err)) from None
 
     def sweep_for(self, cfg: Any, job: Job, check_all_jobs=None) -> sweeps.Sweep:
-        """The sweep this job belongs to: started by job 0, joined by the later jobs.
+        """The sweep this job belongs to: started by job 0 (or, for the basic launcher, by
+        SweepStart before the first job), joined by the later jobs.
 
         `check_all_jobs(job, repo) -> bool` checks every job of a multirun up front (the Hydra
         app passes it); False when the sweep's jobs cannot be listed.
         """
+        if self.active is not None and Path(self.active.sweep_dir) == job.sweep_dir:
+            return self.active
         if job.num > 0:
-            if self.active is not None and Path(self.active.sweep_dir) == job.sweep_dir:
-                return self.active
             state = sweeps.load(job.sweep_dir)
             if state is not None:  # a later job in a process of its own
                 self._lock(Path(state.repo), state.sweep_id)
@@ -108,12 +112,14 @@ class SweepSession:
         return self.active
 
     def start(self, cfg: Any, job: Job, check_all_jobs=None) -> sweeps.Sweep:
+        """Lock, leftovers of dead sweeps, outputs, tree, refs, every job: all checked before
+        anything is written; then the earlier sweep is moved aside and this one's state saved."""
         repo = preflight.find_repo(str(cfg.repo), job.cwd)
         sweep_id = sweeps.new_sweep_id()
-        ignore_outputs(repo, job.sweep_dir)
         self._lock(repo, sweep_id)
         try:
             clean_up_dead_sweeps(repo, float(cfg.launcher.get("kill_grace_s", 10)))
+            outputs.check_outputs(repo, job.sweep_dir)
             refs = {"base": cfg.refs.base, "feat": cfg.refs.feat}
             shas = preflight.check_sweep(repo, refs)
             if not (job.multirun and check_all_jobs and check_all_jobs(job, repo)):
@@ -121,7 +127,47 @@ class SweepSession:
         except BaseException:
             self.locks.pop(str(repo)).release()
             raise
+        outputs.ignore_outputs(repo, job.sweep_dir)
+        for earlier, where in outputs.move_earlier_sweeps(job.sweep_dir).items():
+            say(f"kept earlier sweep {earlier} in {where} (its comparison: python -m "
+                f"moe_perf.compare {job.sweep_dir} --sweep {earlier})")  # fmt: skip
         sweep = sweeps.Sweep(sweep_id, str(job.sweep_dir), str(repo), refs, shas, now_iso())
         sweeps.save(sweep)
         announce(sweep, cfg.trainer.get("code_path"))
         return sweep
+
+
+BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
+
+
+class SweepStart(Callback):
+    """Starts a multirun's sweep before Hydra's sweeper writes multirun.yaml into the sweep
+    directory, so a sweep refused by the lock or a prerequisite writes nothing (exit 2).
+
+    With the basic launcher the jobs run in this process and join the sweep started here.
+    Under a launcher that runs each job in a process of its own, the first job starts the
+    sweep and takes the lock; here the lock is only tried.
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from moe_perf.runner import app  # the command's session; app imports this module
+
+        hc = config.hydra
+        cwd = Path(str(hc.runtime.cwd))
+        sweep_dir = Path(str(hc.sweep.dir))
+        sweep_dir = sweep_dir if sweep_dir.is_absolute() else cwd / sweep_dir
+        job = Job(arm_dir=sweep_dir, sweep_dir=sweep_dir, cwd=cwd, multirun=True,
+                  config_name=str(kwargs.get("config_name") or "config"),
+                  overrides=list(hc.overrides.task))  # fmt: skip
+        try:
+            if str(OmegaConf.select(config, "hydra.launcher._target_")) != BASIC_LAUNCHER:
+                repo = preflight.find_repo(str(config.repo), cwd)
+                git.SweepLock(repo).try_lock()
+                return
+            app.SESSION.sweep_for(
+                config, job, lambda job, repo: app.check_all_jobs(job, repo, config)
+            )
+        except (PrerequisiteError, git.LockBusy) as err:
+            say(f"cannot run: {err}", sys.stderr)
+            say("nothing was launched: the sweep is stopped", sys.stderr)
+            raise SystemExit(2) from None
