@@ -36,8 +36,8 @@ from moe_perf.trainer import pp
 from moe_perf.trainer.cp import shard_batch
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
-from moe_perf.trainer.parallelize import clip_grad_norm_, init_parallel, parallelize
-from moe_perf.trainer.train import forward_backward
+from moe_perf.trainer.parallelize import clip_grad_norm_, init_parallel
+from moe_perf.trainer.train import distribute, forward_backward
 from tests.distributed_util import full_tensor
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -132,15 +132,14 @@ def check_mesh(
     reference = build_model(cfg.model, seed=0, force_balance=benchmark, balance_ep=ep)
     model = build_model(cfg.model, seed=0, force_balance=benchmark, balance_ep=ep, device="meta")
     par = init_parallel(dims, torch.device("cpu"))
-    model = parallelize(model, par, cfg)
+    parts, pipe = distribute(model, par, cfg)
+    model = torch.nn.ModuleList(parts) if pipe is not None else parts[0]
     model.train()
-    pipe = par.pipeline
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         ref_name = reference_name(name, pipe is not None)
         assert torch.equal(full_param(name, p, par), ref_params[ref_name]), ref_name
     dp_rank, cp_rank, dp_cp_rank = par.rank("dp"), par.rank("cp"), par.dp_cp_rank
-    tokens_per_micro = micro_batch * SEQ // cp
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
 
@@ -158,7 +157,7 @@ def check_mesh(
             loss, _ = pp.step_metrics(pipe, loss, model, torch.device("cpu"))
         else:
             set_aux_loss_grad_scale(model, 1.0 / n)
-            offsets = [(m * dims.dp_cp + dp_cp_rank) * tokens_per_micro for m in range(n)]
+            offsets = [dims.token_offset(m, dp_cp_rank, micro_batch, SEQ) for m in range(n)]
             loss = forward_backward(model, mine, offsets=offsets, autocast=nullcontext())
         loss = loss.double()
         dist.all_reduce(loss, group=par.group("dp_cp"))

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moe_perf.trainer.ep import AllToAllDispatcher, shard_experts_
+from moe_perf.trainer.dispatch import AllToAllDispatcher
+from moe_perf.trainer.ep import shard_experts_
 from tests.distributed_util import run_distributed
 
 RTOL, ATOL = 1e-10, 1e-12

@@ -31,8 +31,9 @@ from moe_perf.common.mesh import MeshDims
 from moe_perf.trainer.ep import shard_experts_
 from moe_perf.trainer.model import build_model, materialize
 from moe_perf.trainer.moe import moe_layers
-from moe_perf.trainer.parallelize import init_parallel, parallelize
+from moe_perf.trainer.parallelize import init_parallel
 from moe_perf.trainer.pp import split_model
+from moe_perf.trainer.train import distribute
 from tests.distributed_util import run_distributed
 
 TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"
@@ -43,6 +44,7 @@ def model_config(**overrides) -> ModelConfig:
     """The tiny model with every initialised piece: a dense layer, shared experts with their
     gate, a router bias; 4 layers so that pipeline stages drop some."""
     raw = yaml.safe_load(TINY.read_text())
+    raw.pop("defaults", None)  # a preset's Hydra defaults list is not a model field
     raw.update(
         num_layers=4,
         dense_layers=1,
@@ -216,10 +218,11 @@ def _config(world: int, pp_: int, ep: int, **model):
 
 
 def _build(cfg, par):
-    """The trainer's path (train.py): meta model, then parallelize."""
+    """The trainer's path (train.py): meta model, then parallelize (per stage under PP)."""
     m, ep = cfg.model, cfg.mesh.ep
     model = build_model(m, seed=SEED, force_balance=True, balance_ep=ep, device="meta")
-    return parallelize(model, par, cfg)
+    parts, pipe = distribute(model, par, cfg)
+    return torch.nn.ModuleList(parts) if pipe is not None else parts[0]
 
 
 def _nbytes(params) -> int:

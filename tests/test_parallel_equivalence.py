@@ -122,7 +122,7 @@ def _check_mesh(rank, world, ep, micro_batch, benchmark, load_balance):
     for step in range(1, STEPS + 1):
         rows = global_rows(step, cfg.model.vocab_size)
         mine = local_microbatches(rows, micro_batch, dp, rank)
-        offsets = [(m * dp + rank) * tokens_per_micro for m in range(len(mine))]
+        offsets = [dims.token_offset(m, rank, micro_batch, SEQ) for m in range(len(mine))]
         loss = train_step(model, mine, offsets, tokens_per_micro, par.group("dp_cp"))
 
         # Reference micro-step m: the union of every rank's m-th micro-batch, in rank order.

@@ -17,13 +17,14 @@ import yaml
 from moe_perf.common.config import ConfigError, ModelConfig
 from moe_perf.common.mesh import MeshError, check_microbatches
 from moe_perf.trainer.cp import apply_context_parallel, shard_sequence
+from moe_perf.trainer.flops import layer_forward_flops
 from moe_perf.trainer.model import build_model, cross_entropy
-from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
+from moe_perf.trainer.moe import moe_layers, set_aux_loss_grad_scale, set_token_offset
+from moe_perf.trainer.parallelize import GroupSum
 from moe_perf.trainer.pp import (
     build_pipeline,
     check_rounds,
     check_schedule,
-    layer_flops,
     local_stage_ids,
     partition,
     split_model,
@@ -39,6 +40,7 @@ SEQ, LOCAL_BATCH = 16, 4  # micro_batch 1: 4 microbatches
 def tiny_config(**overrides) -> ModelConfig:
     with open("conf/model/tiny.yaml") as f:
         raw = yaml.safe_load(f)
+    raw.pop("defaults", None)  # a preset's Hydra defaults list is not a model field
     raw.update(num_layers=4, dense_layers=1, dense_ffn=64, load_balance_coeff=0.01)
     raw.update(overrides)
     return ModelConfig(**raw)
@@ -64,7 +66,7 @@ def test_partition_refuses_more_stages_than_layers():
 
 def test_dense_layers_cost_more_and_head_counts():
     m = tiny_config(dense_ffn=256)
-    assert layer_flops(m, 0, SEQ) > layer_flops(m, 1, SEQ)
+    assert layer_forward_flops(m, 0, SEQ) > layer_forward_flops(m, 1, SEQ)
     big_vocab = tiny_config(num_layers=8, dense_layers=0, vocab_size=50_000)
     last = stage_layers(big_vocab, SEQ, 2)[-1]
     assert len(last) < 4  # the head is worth several tiny layers
@@ -190,9 +192,8 @@ def _check_pp2_cp2(rank: int, world_size: int) -> None:
     )
     for module in modules:
         apply_context_parallel(module, cp_group)
-        for moe in module.modules():
-            if hasattr(moe, "load_balance_group"):
-                moe.load_balance_group = cp_group  # dp x cp = cp here
+        for moe in moe_layers(module):
+            moe.balance_reduction = GroupSum(cp_group)  # dp x cp = cp here
     pipe = build_pipeline(
         modules,
         ids,

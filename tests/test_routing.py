@@ -1,4 +1,4 @@
-"""Forced balance: exact per-expert counts per step over the GLOBAL slot index (REFERENCE §3)."""
+"""Forced balance: exact per-expert counts per step over the GLOBAL slot index."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import itertools
 import pytest
 import torch
 
-from moe_perf.trainer.moe import MoE, forced_expert_ids
+from moe_perf.common.mesh import MeshDims
+from moe_perf.trainer.moe import MoE
+from moe_perf.trainer.routing import forced_expert_ids
 
 # (experts, top_k, tokens per rank per micro-batch, ep, dp*cp ranks, micro-batches)
 CASES = [
@@ -21,9 +23,11 @@ CASES = [
 
 
 def step_ids(E, K, T, ep, dp_cp, n_micro):
-    """{(micro-batch, rank): topk_idx_TK} with the train loop's offsets."""
+    """{(micro-batch, rank): topk_idx_TK} with the train loop's offsets (MeshDims.token_offset,
+    here with sequences of T tokens and one sequence per micro-batch)."""
+    dims = MeshDims(world=dp_cp)
     return {
-        (m, r): forced_expert_ids((m * dp_cp + r) * T, T, K, E, ep)
+        (m, r): forced_expert_ids(dims.token_offset(m, r, 1, T), T, K, E, ep)
         for m, r in itertools.product(range(n_micro), range(dp_cp))
     }
 
@@ -56,7 +60,7 @@ def test_each_ep_group_is_balanced_within_one_per_micro_batch(E, K, T, ep, dp_cp
 
 
 def test_a_rank_alone_is_not_skewed_toward_low_experts():
-    """Trap (a): counting from 0 on every rank would give experts 0..r extra tokens everywhere."""
+    """Counting from 0 on every rank would give the low experts extra slots on every rank."""
     E, K, T, dp, n_micro = 8, 2, 5, 4, 4
     ids = step_ids(E, K, T, 1, dp, n_micro)
     counts = torch.bincount(torch.cat([i.reshape(-1) for i in ids.values()]), minlength=E)
@@ -69,7 +73,7 @@ def test_a_rank_alone_is_not_skewed_toward_low_experts():
 
 @pytest.mark.parametrize("K,ep", [(2, 2), (4, 8), (8, 8), (6, 4)])
 def test_slots_of_one_token_spread_over_ep_ranks(K, ep):
-    """Trap (b): a token's K experts land on min(K, ep) different EP ranks, evenly."""
+    """A token's K experts land on min(K, ep) different EP ranks, evenly."""
     E = 8 * ep
     idx_TK = forced_expert_ids(123, 50, K, E, ep)
     ranks_TK = idx_TK // (E // ep)

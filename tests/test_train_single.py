@@ -3,6 +3,7 @@ torchrun), their contract lines, exit codes and error messages."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -151,3 +152,23 @@ def test_fp8_on_cpu_is_a_clear_error(tmp_path, capsys):
     cfg = write_config(tmp_path, dtype={"name": "fp8", "fp8": True})
     assert main([str(cfg)]) == 2
     assert "dtype=fp8 needs a GPU" in capsys.readouterr().err
+
+
+def test_explain_steps_are_profiled_after_the_measured_ones(tmp_path):
+    """trainer.explain_steps=2 after 2 measured steps: only the measured steps print contract
+    lines; explain/ beside the config holds the Chrome trace (one ProfilerStep#i span per
+    profiled step, the experts' scope inside) and the profiled steps' wall times."""
+    cfg = write_config(tmp_path, training={"max_steps": 2}, trainer={"explain_steps": 2})
+    proc, steps = run_trainer(["-m", "moe_perf.trainer", str(cfg)])
+    assert proc.returncode == 0, proc.stderr
+    assert [s["step"] for s in steps] == [1, 2]
+    info = json.loads((tmp_path / "explain" / "steps.json").read_text())
+    assert info["steps"] == 2 and len(info["wall_s"]) == 2 and min(info["wall_s"]) > 0
+    trace = json.loads((tmp_path / "explain" / "trace_rank0.json").read_text())
+    names = [e.get("name", "") for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert sorted(n for n in names if n.startswith("ProfilerStep#")) == [
+        "ProfilerStep#0",
+        "ProfilerStep#1",
+    ]
+    assert "moe_perf.experts" in names
+    assert not (tmp_path / "profile").exists()  # profile_steps stays off

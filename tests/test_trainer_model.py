@@ -12,15 +12,12 @@ import yaml
 
 from moe_perf.common.config import ModelConfig
 from moe_perf.trainer import flops
+from moe_perf.trainer.balance import global_batch_balance_loss, sequence_balance_loss
+from moe_perf.trainer.dispatch import LocalDispatcher
+from moe_perf.trainer.experts import GroupedExperts
+from moe_perf.trainer.layers import swiglu
 from moe_perf.trainer.model import build_model, cross_entropy
-from moe_perf.trainer.moe import (
-    GroupedExperts,
-    LocalDispatcher,
-    MoE,
-    global_batch_balance_loss,
-    sequence_balance_loss,
-    swiglu,
-)
+from moe_perf.trainer.moe import MoE
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "conf" / "model"
 MODELS = sorted(p.stem for p in MODEL_DIR.glob("*.yaml"))
@@ -28,6 +25,7 @@ MODELS = sorted(p.stem for p in MODEL_DIR.glob("*.yaml"))
 
 def model_config(name: str, **small) -> ModelConfig:
     raw = yaml.safe_load((MODEL_DIR / f"{name}.yaml").read_text())
+    raw.pop("defaults", None)  # a preset's Hydra defaults list is not a model field
     return dataclasses.replace(ModelConfig(**raw), **small)
 
 
@@ -199,3 +197,13 @@ def test_flops_formula_on_qwen3_30b_a3b():
     tf, mfu = flops.tflops_and_mfu(m, 2048, 10_000, 1, "NVIDIA H200", "bf16")
     assert mfu == pytest.approx(tf * 1e12 / 989.5e12)
     assert flops.tflops_and_mfu(m, 2048, 10_000, 1, None, "bf16")[1] is None
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_per_layer_flops_add_up_to_the_mfu_formula(name):
+    """pp.py balances stages by the per-layer terms of the same formula: three times the
+    forward FLOPs of every layer and the head is the training FLOPs per token."""
+    m = model_config(name)
+    forward = sum(flops.layer_forward_flops(m, i, 2048) for i in range(m.num_layers))
+    forward += flops.head_forward_flops(m)
+    assert 3 * forward == flops.flops_per_token(m, 2048)

@@ -51,6 +51,34 @@ class MeshDims:
         """What remains of data x context after EP: the experts' FSDP degree."""
         return self.dp_cp // self.ep
 
+    # Batch layout. A step's global batch of `global_batch` sequences is split row-major into
+    # micro-batches of `micro_batch` sequences: data-parallel rank r runs micro-batch m on rows
+    # [(m*dp + r)*micro_batch, (m*dp + r + 1)*micro_batch), and under context parallel each cp
+    # rank holds 1/cp of every sequence. Forced balance numbers tokens in the same order
+    # (micro-batch-major over the dp x cp ranks), so a run with dp ranks routes like one process
+    # with micro-batches of dp*micro_batch sequences.
+
+    def microbatches(self, global_batch: int, micro_batch: int) -> int:
+        """Micro-batches per rank and step: global_batch / (dp * micro_batch)."""
+        return global_batch // (self.dp * micro_batch)
+
+    def first_row(self, microbatch: int, dp_rank: int, micro_batch: int) -> int:
+        """Row of the global batch where `dp_rank`'s micro-batch `microbatch` starts."""
+        return (microbatch * self.dp + dp_rank) * micro_batch
+
+    def tokens_per_microbatch(self, micro_batch: int, sequence_length: int) -> int:
+        """Tokens of one micro-batch on one rank: micro_batch * sequence_length / cp."""
+        return micro_batch * sequence_length // self.cp
+
+    def token_offset(
+        self, microbatch: int, dp_cp_rank: int, micro_batch: int, sequence_length: int
+    ) -> int:
+        """Global index of the first token of micro-batch `microbatch` on the dp x cp rank
+        `dp_cp_rank` (= dp_rank*cp + cp_rank): (microbatch * dp_cp + dp_cp_rank) *
+        tokens_per_microbatch, the index forced balance counts slots by."""
+        tokens = self.tokens_per_microbatch(micro_batch, sequence_length)
+        return (microbatch * self.dp_cp + dp_cp_rank) * tokens
+
     def check_layout(self) -> None:
         for name, value in (("mesh.pp", self.pp), ("mesh.cp", self.cp), ("mesh.ep", self.ep)):
             if value < 1:
@@ -108,7 +136,7 @@ class MeshDims:
                 f"training.micro_batch (or training.global_batch, mesh=...)"
             )
         check_microbatches(
-            local // micro_batch,
+            self.microbatches(global_batch, micro_batch),
             self.pp,
             arithmetic=f"global_batch/(dp*micro_batch) = {global_batch}/({dp}*{micro_batch})",
         )

@@ -1,17 +1,17 @@
 """Context parallel: zig-zag sequence sharding and exact causal attention across the cp group.
 
-The sequence of length T is cut into 2*cp chunks of C = T / (2*cp) tokens; cp rank r holds
-chunks r and 2*cp-1-r. Under a causal mask, chunk c costs c+1 chunk-pairs of attention, so every
-rank does (r+1) + (2*cp-r) = 2*cp+1 of them: the work is balanced.
+A sequence of A positions is cut into 2*cp chunks of C = A / (2*cp) positions; cp rank r holds
+chunks r and 2*cp-1-r (S = 2*C positions). Under a causal mask, chunk c costs c+1 chunk-pairs of
+attention, so every rank does (r+1) + (2*cp-r) = 2*cp+1 of them: the work is balanced.
 
 Attention: each rank all-gathers K and V of the whole sequence (one collective per layer, K and
 V packed together) and runs its local queries against them with a causal mask built from GLOBAL
 positions; backward reduce-scatters the K/V gradients (the adjoint of the all-gather). This is
-exact, not an approximation. Torch's built-in `context_parallel` has no CPU path (REFERENCE §6),
-hence our own. Memory: each rank holds the full K/V of one layer at a time (Hkv heads only).
+exact, not an approximation. Torch's built-in `context_parallel` shards attention only on
+GPU (torch 2.13 has no CPU path), hence our own, which the CPU tests run. Memory: each rank
+holds the full K/V of one layer at a time (G kv heads only).
 
-Legend: B batch, H query heads, G kv heads, T local sequence, S full (gathered) sequence,
-D head dim, E value head dim.
+Shapes: the trainer's legend (moe_perf/trainer/__init__.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
+
+from moe_perf.trainer.attention import Attention
 
 # torch 2.13 renamed the single-tensor collectives; the GPU image (torch 2.11) has the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -36,7 +38,7 @@ def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
-    """Global positions (int64, shape [seq_len / cp]) of the tokens cp rank `rank` holds."""
+    """Global positions (int64, [S] with S = seq_len / cp) of the tokens cp rank `rank` holds."""
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} must be divisible by 2*cp = {2 * cp}")
     chunk = seq_len // (2 * cp)
@@ -71,20 +73,20 @@ def unshard_sequence(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 def shard_batch(
-    tokens_BT: torch.Tensor, labels_BT: torch.Tensor, cp: int, rank: int
+    tokens_BA: torch.Tensor, labels_BA: torch.Tensor, cp: int, rank: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This cp rank's tokens, labels and global positions (for RoPE and the causal mask).
+    """This cp rank's tokens_BS, labels_BS and global positions_BS (for RoPE and the mask).
 
     Labels are sharded exactly like tokens, so each rank's loss is over its own tokens; the
-    mean over the cp group equals the full-sequence mean because every rank holds T/cp tokens.
+    mean over the cp group equals the full-sequence mean because every rank holds A/cp tokens.
     """
-    B, T = tokens_BT.shape
-    positions_T = zigzag_positions(T, cp, rank, device=tokens_BT.device)
-    positions_BT = positions_T.unsqueeze(0).expand(B, -1)
+    B, A = tokens_BA.shape
+    positions_S = zigzag_positions(A, cp, rank, device=tokens_BA.device)
+    positions_BS = positions_S.unsqueeze(0).expand(B, -1)
     return (
-        shard_sequence(tokens_BT, cp, rank),
-        shard_sequence(labels_BT, cp, rank),
-        positions_BT,
+        shard_sequence(tokens_BA, cp, rank),
+        shard_sequence(labels_BA, cp, rank),
+        positions_BS,
     )
 
 
@@ -96,28 +98,28 @@ class _GatherSequence(torch.autograd.Function):
     """All-gather along dim 0 across `group`; backward sums the gradients and keeps our slice."""
 
     @staticmethod
-    def forward(ctx, x_T: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, x_S: torch.Tensor, group) -> torch.Tensor:
         ctx.group = group
         world = dist.get_world_size(group)
-        x_T = x_T.contiguous()
-        out_S = x_T.new_empty((world * x_T.shape[0], *x_T.shape[1:]))
-        _all_gather_single(out_S, x_T, group=group)
-        return out_S
+        x_S = x_S.contiguous()
+        out_A = x_S.new_empty((world * x_S.shape[0], *x_S.shape[1:]))
+        _all_gather_single(out_A, x_S, group=group)
+        return out_A
 
     @staticmethod
-    def backward(ctx, grad_S: torch.Tensor):
+    def backward(ctx, grad_A: torch.Tensor):
         world = dist.get_world_size(ctx.group)
-        grad_S = grad_S.contiguous()
-        grad_T = grad_S.new_empty((grad_S.shape[0] // world, *grad_S.shape[1:]))
+        grad_A = grad_A.contiguous()
+        grad_S = grad_A.new_empty((grad_A.shape[0] // world, *grad_A.shape[1:]))
         # Every rank's queries used our K/V: their gradients are summed where our slice lives.
-        _reduce_scatter_single(grad_T, grad_S, group=ctx.group)
-        return grad_T, None
+        _reduce_scatter_single(grad_S, grad_A, group=ctx.group)
+        return grad_S, None
 
 
-def gather_sequence(x_BHTD: torch.Tensor, group) -> torch.Tensor:
-    """[B, H, T, D] on each rank -> [B, H, cp*T, D], rank-major (rank 0's tokens first)."""
-    x_TBHD = x_BHTD.permute(2, 0, 1, 3)
-    return _GatherSequence.apply(x_TBHD, group).permute(1, 2, 0, 3)
+def gather_sequence(x_BGSX: torch.Tensor, group) -> torch.Tensor:
+    """[B, G, S, X] on each rank -> [B, G, A, X] (A = cp*S), rank-major (rank 0's first)."""
+    x_SBGX = x_BGSX.permute(2, 0, 1, 3)
+    return _GatherSequence.apply(x_SBGX, group).permute(1, 2, 0, 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,10 +137,10 @@ def _natural_order(seq_len: int, cp: int, device: torch.device) -> torch.Tensor:
 
 
 def cp_attention(
-    q_BHTD: torch.Tensor,
-    k_BGTD: torch.Tensor,
-    v_BGTE: torch.Tensor,
-    positions_T: torch.Tensor,
+    q_BHSd: torch.Tensor,
+    k_BGSd: torch.Tensor,
+    v_BGSv: torch.Tensor,
+    positions_S: torch.Tensor,
     group,
     *,
     scale: float | None = None,
@@ -147,7 +149,7 @@ def cp_attention(
 ) -> torch.Tensor:
     """Causal attention of this rank's zig-zag queries against the whole sequence's K/V.
 
-    `positions_T`: global positions of the local tokens (from `zigzag_positions`).
+    `positions_S`: global positions of the local tokens (from `zigzag_positions`).
     `window` > 0: sliding window (a query sees keys at most window-1 positions back).
     `flash_friendly` (default: on CUDA without a window): two SDPA calls, one per local chunk,
     each against the key prefix it may see with a lower-right causal bias, so that no mask is
@@ -156,43 +158,43 @@ def cp_attention(
     explicit boolean mask (the CPU path).
     """
     cp = dist.get_world_size(group)
-    B, H, T, D = q_BHTD.shape
-    G = k_BGTD.shape[1]
-    seq_len = cp * T
+    B, H, S, d = q_BHSd.shape
+    G = k_BGSd.shape[1]
+    seq_len = cp * S
     # One collective for K and V together.
-    kv_BGTX = torch.cat([k_BGTD, v_BGTE], dim=-1)
-    kv_BGSX = gather_sequence(kv_BGTX, group)
-    k_BGSD, v_BGSE = kv_BGSX.split([k_BGTD.shape[-1], v_BGTE.shape[-1]], dim=-1)
+    kv_BGSX = torch.cat([k_BGSd, v_BGSv], dim=-1)
+    kv_BGAX = gather_sequence(kv_BGSX, group)
+    k_BGAd, v_BGAv = kv_BGAX.split([k_BGSd.shape[-1], v_BGSv.shape[-1]], dim=-1)
 
     if flash_friendly is None:
-        flash_friendly = q_BHTD.is_cuda and window == 0
+        flash_friendly = q_BHSd.is_cuda and window == 0
     if flash_friendly:
         if window:
             raise ValueError("the flash-friendly path does not support sliding windows")
-        order_S = _natural_order(seq_len, cp, q_BHTD.device)
-        k_BHSD = k_BGSD.index_select(2, order_S).repeat_interleave(H // G, dim=1)
-        v_BHSE = v_BGSE.index_select(2, order_S).repeat_interleave(H // G, dim=1)
-        chunk = T // 2
+        order_A = _natural_order(seq_len, cp, q_BHSd.device)
+        k_BHAd = k_BGAd.index_select(2, order_A).repeat_interleave(H // G, dim=1)
+        v_BHAv = v_BGAv.index_select(2, order_A).repeat_interleave(H // G, dim=1)
+        C = S // 2
         outs = []
-        # Chunk indices from the rank, not from positions_T: reading a GPU tensor would sync.
+        # Chunk indices from the rank, not from positions_S: reading a GPU tensor would sync.
         chunk_ids = zigzag_chunks(cp, dist.get_rank(group))
-        for c, q_BHCD in zip(chunk_ids, q_BHTD.split(chunk, dim=2), strict=True):
-            end = (c + 1) * chunk
-            bias = causal_lower_right(chunk, end)
+        for c, q_BHCd in zip(chunk_ids, q_BHSd.split(C, dim=2), strict=True):
+            end = (c + 1) * C
+            bias = causal_lower_right(C, end)
             outs.append(
                 F.scaled_dot_product_attention(
-                    q_BHCD, k_BHSD[:, :, :end], v_BHSE[:, :, :end], attn_mask=bias, scale=scale
+                    q_BHCd, k_BHAd[:, :, :end], v_BHAv[:, :, :end], attn_mask=bias, scale=scale
                 )
             )
         return torch.cat(outs, dim=2)
 
-    key_pos_S = _key_positions(seq_len, cp, q_BHTD.device)
-    delta_TS = positions_T.unsqueeze(1) - key_pos_S.unsqueeze(0)
-    mask_TS = delta_TS >= 0
+    key_pos_A = _key_positions(seq_len, cp, q_BHSd.device)
+    delta_SA = positions_S.unsqueeze(1) - key_pos_A.unsqueeze(0)
+    mask_SA = delta_SA >= 0
     if window:
-        mask_TS &= delta_TS < window
+        mask_SA &= delta_SA < window
     return F.scaled_dot_product_attention(
-        q_BHTD, k_BGSD, v_BGSE, attn_mask=mask_TS, scale=scale, enable_gqa=G != H
+        q_BHSd, k_BGAd, v_BGAv, attn_mask=mask_SA, scale=scale, enable_gqa=G != H
     )
 
 
@@ -207,10 +209,10 @@ class ContextParallelAttention:
         self.group, self.window = group, window
         self.cp, self.rank = dist.get_world_size(group), dist.get_rank(group)
 
-    def __call__(self, q_BHTD, k_BGTD, v_BGTE):
-        seq_len = self.cp * q_BHTD.shape[2]
-        positions_T = zigzag_positions(seq_len, self.cp, self.rank, device=q_BHTD.device)
-        return cp_attention(q_BHTD, k_BGTD, v_BGTE, positions_T, self.group, window=self.window)
+    def __call__(self, q_BHSd, k_BGSd, v_BGSv):
+        seq_len = self.cp * q_BHSd.shape[2]
+        positions_S = zigzag_positions(seq_len, self.cp, self.rank, device=q_BHSd.device)
+        return cp_attention(q_BHSd, k_BGSd, v_BGSv, positions_S, self.group, window=self.window)
 
 
 def _fill_zigzag_positions(cp: int, rank: int):
@@ -223,8 +225,8 @@ def _fill_zigzag_positions(cp: int, rank: int):
         if len(args) > 1 or kwargs.get("positions_BS") is not None:
             return None
         B, S = args[0].shape[:2]
-        positions_T = zigzag_positions(cp * S, cp, rank, device=args[0].device)
-        return args, {**kwargs, "positions_BS": positions_T.unsqueeze(0).expand(B, S)}
+        positions_S = zigzag_positions(cp * S, cp, rank, device=args[0].device)
+        return args, {**kwargs, "positions_BS": positions_S.unsqueeze(0).expand(B, S)}
 
     return hook
 
@@ -232,17 +234,12 @@ def _fill_zigzag_positions(cp: int, rank: int):
 def apply_context_parallel(model: torch.nn.Module, cp_group) -> None:
     """Put every attention of `model` (a Transformer or a pipeline stage of one) in CP mode.
 
-    Also gives the MoE layers the cp group (DeepSeek's sequence-wise balance loss counts over
-    the whole sequence, which spans the group). The batch itself is sharded by the train loop
-    with `shard_batch` (tokens and labels; positions default to the zig-zag ones here).
+    The batch itself is sharded by the train loop with `shard_batch` (tokens and labels;
+    positions default to the zig-zag ones here). The sequence balance loss, whose sequence
+    spans the cp group, gets its reduction from parallelize.py.
     """
-    from moe_perf.trainer.model import Attention
-    from moe_perf.trainer.moe import moe_layers
-
     cp, rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     for module in model.modules():
         if isinstance(module, Attention):
             module.attend = ContextParallelAttention(cp_group)
-    for moe in moe_layers(model):
-        moe.cp_group = cp_group
     model.register_forward_pre_hook(_fill_zigzag_positions(cp, rank), with_kwargs=True)

@@ -1,10 +1,9 @@
 """Training tokens: seeded synthetic batches, or windows of a tokenized corpus.
 
 Every step has one global batch of `global_batch` sequences of S+1 tokens (inputs and shifted
-labels), identical on every rank. Data-parallel rank r runs micro-batch m on rows
-[(m*dp + r)*mb, (m*dp + r + 1)*mb), so the global token index of a rank's token i in
-micro-batch m is (m*dp + r)*mb*S + i: the index forced balance counts by, and the reason a run
-with dp ranks equals one process with mb*dp-sequence micro-batches.
+labels), identical on every rank, split into this rank's micro-batches by the batch layout of
+MeshDims (common/mesh.py: data-parallel rank r runs micro-batch m on rows
+[(m*dp + r)*mb, (m*dp + r + 1)*mb), the order forced balance numbers tokens in).
 
 Also the corpus build command (local text + local tokenizer.json, no downloads):
     python -m moe_perf.trainer.data build --tokenizer-file tok.json --text a.txt b.jsonl --out DIR
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from moe_perf.common.corpus import FORMAT, META_FILE, TOKENS_FILE, check_corpus, read_meta
+from moe_perf.common.mesh import MeshDims
 
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<｜end▁of▁sentence｜>")
 
@@ -70,10 +70,10 @@ def local_microbatches(
 ):
     """[(inputs_BS, labels_BS)] of this data-parallel rank for one step (m-major order)."""
     rows = source.global_batch(step, global_batch, seq)
-    n_micro = global_batch // (dp * micro_batch)
+    dims = MeshDims(world=dp)  # the batch layout depends on dp alone
     out = []
-    for m in range(n_micro):
-        start = (m * dp + dp_rank) * micro_batch
+    for m in range(dims.microbatches(global_batch, micro_batch)):
+        start = dims.first_row(m, dp_rank, micro_batch)
         chunk = rows[start : start + micro_batch]
         out.append((chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()))
     return out

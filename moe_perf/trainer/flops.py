@@ -33,30 +33,62 @@ PEAK_BF16_FLOPS = (
 )
 
 
-def matmul_params_per_token(m: ModelConfig) -> int:
+def attention_params(m: ModelConfig) -> int:
+    """Weights of the q, k, v and o projections of one layer."""
     v_dim = m.v_head_dim or m.head_dim
-    attn = (
+    return (
         m.hidden * (m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + v_dim))
         + m.num_heads * v_dim * m.hidden
     )
-    moe_layers = m.num_layers - m.dense_layers
-    moe = (
+
+
+def ffn_params_per_token(m: ModelConfig, layer_id: int) -> int:
+    """Weights one token's FFN matmuls read in layer `layer_id`: the dense FFN, or the router,
+    K routed experts, the shared experts and their sigmoid gate."""
+    if layer_id < m.dense_layers:
+        return 3 * m.hidden * m.dense_ffn
+    return (
         m.hidden * m.num_experts
         + 3 * m.hidden * (m.top_k * m.expert_ffn + m.num_shared_experts * m.shared_expert_ffn)
         + (m.hidden if m.num_shared_experts and m.shared_expert_gate else 0)
     )
-    dense = 3 * m.hidden * m.dense_ffn
-    return m.num_layers * attn + moe_layers * moe + m.dense_layers * dense + m.hidden * m.vocab_size
+
+
+def head_params(m: ModelConfig) -> int:
+    return m.hidden * m.vocab_size
+
+
+def matmul_params_per_token(m: ModelConfig) -> int:
+    layers = sum(attention_params(m) + ffn_params_per_token(m, i) for i in range(m.num_layers))
+    return layers + head_params(m)
+
+
+def attention_core_flops(m: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs of QK^T and AV per token and layer, causal counted half:
+    2*S*(Dh + Dv) per head, halved."""
+    v_dim = m.v_head_dim or m.head_dim
+    return m.num_heads * (m.head_dim + v_dim) * seq_len
 
 
 def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
     """Training FLOPs of QK^T and AV per token, causal counted half."""
-    v_dim = m.v_head_dim or m.head_dim
-    return 3 * m.num_layers * m.num_heads * (m.head_dim + v_dim) * seq_len
+    return 3 * m.num_layers * attention_core_flops(m, seq_len)
 
 
 def flops_per_token(m: ModelConfig, seq_len: int) -> int:
     return 6 * matmul_params_per_token(m) + attention_flops_per_token(m, seq_len)
+
+
+def layer_forward_flops(m: ModelConfig, layer_id: int, seq_len: int) -> int:
+    """Forward FLOPs per token of one decoder layer, the terms of `flops_per_token` (training
+    is 3x forward for every term, so forward FLOPs rank pipeline stages as training FLOPs do)."""
+    params = attention_params(m) + ffn_params_per_token(m, layer_id)
+    return 2 * params + attention_core_flops(m, seq_len)
+
+
+def head_forward_flops(m: ModelConfig) -> int:
+    """Forward FLOPs per token of the output head (often worth several layers)."""
+    return 2 * head_params(m)
 
 
 def peak_flops(device_name: str | None, dtype: str) -> float | None:

@@ -1,28 +1,31 @@
 """All distribution of the single-device model, applied in one place and in a fixed order.
 
     init_parallel(mesh_dims, device) -> Parallel    once, after init_process_group
-    parallelize(model, par, cfg) -> model           on the model built on the meta device
+    parallelize(model, par, cfg) -> model           one model, or one pipeline stage of it,
+                                                    built on the meta device
                                                     (model.build_model(device="meta"), with
                                                     balance_ep = mesh.ep for forced balance);
                                                     a model already materialized (identical
                                                     on every rank) also works
     clip_grad_norm_(params, max_norm, par)          global norm over FSDP and EP shards
 
-The train loop reads ranks and groups from `Parallel` (`rank("dp")`, `dp_cp_rank`,
-`group("dp_cp")`, ...), sets the forced-balance token offset per micro-batch
-(moe.set_token_offset) and, under pp > 1, runs `par.pipeline.step(...)` (pp.py) instead of
-forward/backward on the returned ModuleList of local stages.
+Under pp > 1 the pipeline comes first and wraps this function: pp.pipeline(model, par, cfg,
+parallelize) cuts the model into this rank's stages, calls `parallelize` on each and builds the
+schedule over them (train.distribute picks one or the other). The train loop reads ranks and
+groups from `Parallel` (`rank("dp")`, `dp_cp_rank`, `group("dp_cp")`, ...) and sets the
+forced-balance token offset per micro-batch (moe.set_token_offset, MeshDims.token_offset).
 
-Order (each step sees the model the previous one left):
-  1. pipeline split        pp.py, when mesh.pp > 1 (steps 2-5 then run on each local stage)
-  2. expert parallel       slice expert weights to this rank's experts; all-to-all dispatchers
-     materialize           a meta model: allocate what is left on the device and initialise
+Order in `parallelize` (each step sees the model the previous one left):
+  1. expert parallel       slice expert weights to this rank's experts; all-to-all dispatchers
+  2. materialize           a meta model: allocate what is left on the device and initialise
                            it from training.seed (model.materialize); its values are this
                            rank's slices of the one-process model, and building never holds
                            more than this rank's layers and experts (before FSDP shards them)
   3. context parallel      cp.py, when mesh.cp > 1
-  4. activation checkpointing, then compile (per block)
-  5. FSDP2                 experts over edp, everything else over dp*cp (none when dp*cp = 1)
+  4. balance-loss sums     the router statistics summed over dp*cp (global-batch loss) or cp
+                           (sequence loss), injected into the MoE layers
+  5. activation checkpointing, then compile (per block)
+  6. FSDP2                 experts over edp, everything else over dp*cp (none when dp*cp = 1)
 
 Mesh layout. Global rank = pp_i * (dp*cp) + dp_i * cp + cp_i, i.e. a DeviceMesh
 ("pp", "dp", "cp"). Expert parallel is folded into the flattened dp*cp dimension ("dp_cp"):
@@ -39,17 +42,19 @@ the sharded gradients (the loss of each micro-batch scaled by 1/micro-batches).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from moe_perf.common.mesh import MeshDims
-from moe_perf.trainer.ep import AllToAllDispatcher, shard_experts_
+from moe_perf.trainer.cp import apply_context_parallel
+from moe_perf.trainer.ep import apply_expert_parallel
 from moe_perf.trainer.model import materialize
 from moe_perf.trainer.moe import moe_layers
 
@@ -71,8 +76,6 @@ class Parallel:
     world_mesh: DeviceMesh | None = None  # ("pp", "dp", "cp")
     dp_cp_mesh: DeviceMesh | None = None  # ("dp_cp",): this pipeline stage's data x context
     expert_mesh: DeviceMesh | None = None  # ("edp", "ep"): the same ranks, EP blocks contiguous
-    pipeline: object | None = None  # set by the pipeline hook (pp.py): stages, schedule
-    extras: dict = field(default_factory=dict)
 
     def _mesh_of(self, name: str) -> DeviceMesh | None:
         if name in ("pp", "dp", "cp"):
@@ -145,81 +148,25 @@ def _expert_mesh(dims: MeshDims, device: torch.device, dp_cp_mesh: DeviceMesh) -
 
 
 def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
-    """Apply pipeline split, expert parallel, context parallel, compile and FSDP, in order."""
+    """Expert parallel, materialization, context parallel, balance-loss sums, activation
+    checkpointing, compile and FSDP, in that order, on one model or pipeline stage."""
     dims = par.dims
-
-    # 1. Pipeline split ------------------------------------------------------------------------
-    if dims.pp > 1:
-        # PP HOOK: pp.py cuts the model into this rank's stage module(s) (layers dropped,
-        # embedding on the first stage, norm/head on the last); steps 2-5 run on each of them.
-        from moe_perf.trainer import pp
-
-        model_parts, stage_ids = pp.split_model(
-            model,
-            pp_rank=par.pp_rank,
-            pp=dims.pp,
-            virtual_stages=cfg.trainer.pp_virtual_stages,
-            seq_len=cfg.training.sequence_length,
-        )
-    else:
-        model_parts = [model]
-
-    for part in model_parts:
-        # 2. Expert parallel, then allocate and initialise what this rank holds --------------
-        if dims.ep > 1:
-            apply_expert_parallel(part, par)
-        materialize_if_meta(part, par.device, cfg)
-
-        # 3. Context parallel ------------------------------------------------------------------
-        if dims.cp > 1:
-            # CP HOOK: cp.py swaps attention for the cp-group attention and gives the MoE
-            # layers the cp group (sequence balance loss).
-            from moe_perf.trainer import cp
-
-            cp.apply_context_parallel(part, par.group("cp"))
-
-        # 4. Activation checkpointing and compile ----------------------------------------------
-        if activation_checkpointing_on(cfg.trainer.activation_checkpointing):
-            apply_activation_checkpointing(part)
-        if cfg.trainer.compile:
-            for block in part.layers.values():
-                # Not fullgraph: uneven all-to-all needs its split sizes on the host.
-                block.compile()
-
-        # 5. FSDP2 -----------------------------------------------------------------------------
-        # The global-batch balance loss all-reduces expert counts over data x context.
-        if dims.dp_cp > 1:
-            for m in moe_layers(part):
-                m.load_balance_group = par.group("dp_cp")
-        # One data x context rank: nothing to shard. FSDP would still copy every parameter in
-        # and every gradient out per micro-batch (on one H200 about 40% of a 4-layer
-        # qwen3-30b-a3b step); bf16 compute then comes from autocast alone.
-        if dist.is_initialized() and dims.dp_cp > 1:
-            apply_fsdp(part, par, mixed_precision(cfg, par.device))
-
-    if dims.pp > 1:
-        # PP HOOK (second half): the schedule over the parallelized stages, in par.pipeline.
-        # The train loop calls par.pipeline.step(...) instead of forward/backward; the
-        # returned ModuleList holds every local stage (parameters, train(), MoE setters).
-        t = cfg.training
-        n_micro = t.global_batch // (dims.dp * t.micro_batch)
-        tokens_per_micro = t.micro_batch * t.sequence_length // dims.cp
-        rank = par.dp_cp_rank
-
-        def token_offset(m: int) -> int:
-            return (m * dims.dp_cp + rank) * tokens_per_micro
-
-        par.pipeline = pp.build_pipeline(
-            model_parts,
-            stage_ids,
-            pp_group=par.group("pp"),
-            num_stages=dims.pp * cfg.trainer.pp_virtual_stages,
-            schedule=cfg.trainer.pp_schedule,
-            n_microbatches=n_micro,
-            device=par.device,
-            token_offset=token_offset if t.benchmark else None,
-        )
-        return nn.ModuleList(model_parts)
+    if dims.ep > 1:
+        apply_expert_parallel(model, par.group("ep"))
+    materialize_if_meta(model, par.device, cfg)
+    if dims.cp > 1:
+        apply_context_parallel(model, par.group("cp"))
+    inject_balance_reductions(model, par)
+    if cfg.trainer.activation_checkpointing == "full":
+        apply_activation_checkpointing(model)
+    if cfg.trainer.compile:
+        for block in model.layers.values():
+            block.compile()  # not fullgraph: uneven all-to-all needs its split sizes on the host
+    # One data x context rank: nothing to shard. FSDP would still copy every parameter in and
+    # every gradient out per micro-batch (on one H200 about 40% of a 4-layer qwen3-30b-a3b
+    # step); bf16 compute then comes from autocast alone.
+    if dist.is_initialized() and dims.dp_cp > 1:
+        apply_fsdp(model, par, mixed_precision(cfg, par.device))
     return model
 
 
@@ -234,27 +181,28 @@ def materialize_if_meta(model: nn.Module, device: torch.device, cfg) -> None:
     materialize(model, device, seed=cfg.training.seed, init_std=cfg.trainer.init_std)
 
 
-def apply_expert_parallel(model: nn.Module, par: Parallel) -> None:
-    """Keep this EP rank's experts and send tokens to the ranks that hold theirs."""
-    ep_group, ep, ep_rank = par.group("ep"), par.dims.ep, par.ep_rank
+class GroupSum:
+    """balance.Reduction over a process group: an in-place all_reduce (a collective)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group, self.size = group, dist.get_world_size(group)
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
+def inject_balance_reductions(model: nn.Module, par: Parallel) -> None:
+    """The ranks a balance loss's statistics span: the global-batch loss counts experts over
+    the data x context group; the sequence loss over the cp group (a sequence spans it)."""
+    groups = {"global-batch": ("dp_cp", par.dims.dp_cp), "sequence": ("cp", par.dims.cp)}
     for m in moe_layers(model):
-        shard_experts_(m.experts, ep_rank, ep)
-        m.dispatcher = AllToAllDispatcher(ep_group, m.num_experts)
-
-
-def activation_checkpointing_on(mode) -> bool:
-    """trainer.activation_checkpointing: none/false (off) or full/true (every block)."""
-    if mode in (None, False, "none", "off", ""):
-        return False
-    if mode in (True, "full"):
-        return True
-    raise ValueError(f"trainer.activation_checkpointing={mode!r}: expected none or full")
+        name, size = groups[m.load_balance]
+        m.balance_reduction = GroupSum(par.group(name)) if size > 1 else None
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each block's activations in backward (before compile and FSDP wrap it)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 

@@ -1,20 +1,21 @@
 """Pipeline parallel: split the model into stages and run a torch.distributed.pipelining schedule.
 
-Order of use (parallelize.py): `split_model` first, then EP / CP / compile / FSDP on each stage
-module, then `build_pipeline`. The train loop calls `Pipeline.step` instead of
-forward/backward.
+`pipeline(model, par, cfg, parallelize)` cuts the model into this rank's stages
+(`split_model`), runs the per-stage `parallelize` on each (EP, materialization, CP, compile,
+FSDP: parallelize.py) and builds the schedule over them (`build_pipeline`). The train loop
+then calls `Pipeline.step` instead of forward/backward.
 
-Stages: the model is cut into pp * virtual_stages contiguous stages, balanced by a per-layer
-FLOP cost (embedding with the first stage, final norm + head with the last: the head counts
-2*hidden*vocab per token, often worth several layers). Stage s lives on pp rank s % pp (the
-looped placement Interleaved1F1B expects). A stage module is a `Transformer` that keeps its
-own layers (same parameter names as the full model) and None for the pieces it lacks; layers
+Stages: the model is cut into pp * virtual_stages contiguous stages, balanced by the per-layer
+FLOP model of flops.py (embedding with the first stage, final norm + head with the last: the
+head counts 2*hidden*vocab per token, often worth several layers). Stage s lives on pp rank s %
+pp (the looped placement Interleaved1F1B expects). A stage module is a `Transformer` that keeps
+its own layers (same parameter names as the full model) and None for the pieces it lacks; layers
 are moved, never copied.
 
 Loss and gradients: the loss of a microbatch is mean token cross-entropy / n_microbatches and
 the schedule runs with scale_grads=False, so each microbatch backward adds exactly what the
 single-process loop adds. The load-balance losses live on every stage: each MoE layer attaches
-its loss to its output with a straight-through identity (moe._AttachAuxLoss) whose backward
+its loss to its output with a straight-through identity (balance.attach_aux_loss) whose backward
 feeds `aux_loss_grad_scale` = 1 / n_microbatches into the loss; the stage backward that the
 schedule runs (from the next stage's gradient, or from the loss on the last stage) therefore
 carries every stage's balance loss. Nothing crosses stages but hidden states and their
@@ -43,8 +44,9 @@ from torch.distributed.pipelining import (
 
 from moe_perf.common.config import ConfigError, ModelConfig
 from moe_perf.common.mesh import check_microbatches
+from moe_perf.trainer.flops import head_forward_flops, layer_forward_flops
 from moe_perf.trainer.model import Transformer, cross_entropy
-from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
+from moe_perf.trainer.moe import aux_loss_total, set_aux_loss_grad_scale, set_token_offset
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -56,29 +58,6 @@ SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
 # ---------------------------------------------------------------------------------------------
 # Costs and the split
-
-
-def layer_flops(m: ModelConfig, layer_id: int, seq_len: int) -> float:
-    """Forward FLOPs per token of one decoder layer (matmuls; causal attention counted half).
-
-    The same terms as the MFU formula; backward is ~2x forward for every term, so forward
-    FLOPs rank stages the same way as forward + backward.
-    """
-    d, dh, dv = m.hidden, m.head_dim, m.v_head_dim or m.head_dim
-    attn_proj = 2 * d * (m.num_heads * dh + m.num_kv_heads * (dh + dv) + m.num_heads * dv)
-    attn_core = 2 * m.num_heads * (dh + dv) * seq_len / 2
-    if layer_id < m.dense_layers:
-        ffn = 2 * 3 * d * m.dense_ffn
-    else:
-        routed = 2 * 3 * d * m.expert_ffn * m.top_k
-        shared = 2 * 3 * d * m.shared_expert_ffn * m.num_shared_experts
-        shared += 2 * d if m.num_shared_experts and m.shared_expert_gate else 0  # sigmoid gate
-        ffn = 2 * d * m.num_experts + routed + shared
-    return attn_proj + attn_core + ffn
-
-
-def head_flops(m: ModelConfig) -> float:
-    return 2 * m.hidden * m.vocab_size
 
 
 def partition(costs: list[float], num_stages: int, *, first_extra=0.0, last_extra=0.0):
@@ -124,8 +103,8 @@ def partition(costs: list[float], num_stages: int, *, first_extra=0.0, last_extr
 
 def stage_layers(m: ModelConfig, seq_len: int, num_stages: int) -> list[list[int]]:
     """Layer ids of every stage, balanced by FLOPs (the embedding lookup costs ~nothing)."""
-    costs = [layer_flops(m, i, seq_len) for i in range(m.num_layers)]
-    return partition(costs, num_stages, last_extra=head_flops(m))
+    costs = [layer_forward_flops(m, i, seq_len) for i in range(m.num_layers)]
+    return partition(costs, num_stages, last_extra=head_forward_flops(m))
 
 
 def local_stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
@@ -201,6 +180,11 @@ class Pipeline:
     has_last: bool
     group: dist.ProcessGroup
     losses: list = field(default_factory=list)
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """This rank's stage modules (parameters, train(), the MoE setters)."""
+        return [stage.submod for stage in self.stages]
 
     def step(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor | None:
         """One step over this rank's local batch (split into microbatches along dim 0).
@@ -302,6 +286,35 @@ def build_pipeline(
     )
 
 
+def pipeline(model: Transformer, par, cfg, parallelize: Callable) -> Pipeline:
+    """This rank's stages of `model`, each through `parallelize(stage, par, cfg)`, and the
+    schedule over them (`par`: parallelize.Parallel, `cfg`: the trainer's Config)."""
+    dims, t, tr = par.dims, cfg.training, cfg.trainer
+    stages, stage_ids = split_model(
+        model,
+        pp_rank=par.pp_rank,
+        pp=dims.pp,
+        virtual_stages=tr.pp_virtual_stages,
+        seq_len=t.sequence_length,
+    )
+    stages = [parallelize(stage, par, cfg) for stage in stages]
+    dp_cp_rank = par.dp_cp_rank
+
+    def token_offset(microbatch: int) -> int:
+        return dims.token_offset(microbatch, dp_cp_rank, t.micro_batch, t.sequence_length)
+
+    return build_pipeline(
+        stages,
+        stage_ids,
+        pp_group=par.group("pp"),
+        num_stages=dims.pp * tr.pp_virtual_stages,
+        schedule=tr.pp_schedule,
+        n_microbatches=dims.microbatches(t.global_batch, t.micro_batch),
+        device=par.device,
+        token_offset=token_offset if t.benchmark else None,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The train loop's PP step (train.py)
 
@@ -321,8 +334,6 @@ def step_metrics(pipe: Pipeline, loss, model: nn.Module, device) -> tuple[torch.
 
     Collectives over the pp group (a broadcast and an all-reduce): outside the timed region.
     """
-    from moe_perf.trainer.moe import aux_loss_total
-
     loss_value = torch.tensor(pipe.loss_to_first_rank(loss, device), device=device)
     aux = torch.tensor([aux_loss_total(model)], dtype=torch.float64, device=device)
     dist.all_reduce(aux, group=pipe.group)

@@ -11,26 +11,36 @@ reductions are outside. tokens/s = global_batch * sequence_length / step time.
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
 import platform
 import resource
 import sys
 import time
 import traceback
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from moe_perf.common import contract
 from moe_perf.common.config import Config, ConfigError, load_config
 from moe_perf.common.corpus import CorpusError
-from moe_perf.common.mesh import MeshError
-from moe_perf.trainer import flops, moe
+from moe_perf.common.mesh import MeshDims, MeshError
+from moe_perf.trainer import cp, flops, moe, pp, profiling
 from moe_perf.trainer.data import local_microbatches, make_source
 from moe_perf.trainer.model import build_model, cross_entropy
+from moe_perf.trainer.parallelize import (
+    Parallel,
+    clip_grad_norm_,
+    init_parallel,
+    optimizer_param_groups,
+    parallelize,
+)
 
 USER_ERRORS = (ConfigError, MeshError, CorpusError)
 
@@ -70,15 +80,6 @@ def init_distributed(device: torch.device, expected_world: int) -> None:
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-
-
-def parallel_api():
-    """parallelize.py's (init_parallel, parallelize, clip_grad_norm_), or None if absent."""
-    if importlib.util.find_spec("moe_perf.trainer.parallelize") is None:
-        return None
-    from moe_perf.trainer import parallelize as p
-
-    return p
 
 
 def apply_fp8(model: torch.nn.Module, device: torch.device) -> None:
@@ -149,7 +150,132 @@ def mean_over(value: torch.Tensor, group) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# The step
+# Building
+
+
+@dataclass
+class Trainer:
+    """Everything a step needs, built once by `build`."""
+
+    cfg: Config
+    dims: MeshDims
+    device: torch.device
+    par: Parallel
+    parts: list[nn.Module]  # this rank's model: one module, or its pipeline stages
+    pipe: pp.Pipeline | None  # pp > 1: the schedule runs forward and backward
+    params: list[nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    autocast: AbstractContextManager
+    loss_fn: Callable
+    source: object  # data.SyntheticTokens or data.CorpusTokens
+    offsets: list[int]  # forced balance: global index of this rank's first token per micro-batch
+    device_name: str | None
+
+    @property
+    def rank(self) -> int:
+        return self.par.global_rank
+
+
+def distribute(model: nn.Module, par: Parallel, cfg: Config):
+    """(this rank's parallelized model parts, the pipeline or None). Under pp > 1 the pipeline
+    cuts the model into stages and parallelizes each (pp.pipeline); otherwise the whole model
+    is parallelized as one part."""
+    if par.dims.pp > 1:
+        pipe = pp.pipeline(model, par, cfg, parallelize)
+        return pipe.modules, pipe
+    return [parallelize(model, par, cfg)], None
+
+
+def build(cfg: Config, out) -> Trainer:
+    """Process group, model (built on the meta device, then only this rank's part allocated:
+    its pipeline stages' layers, its EP slice of the experts), optimizer. Prints the env line."""
+    dims = cfg.validate()
+    t = cfg.training
+    n_micro = dims.microbatches(t.global_batch, t.micro_batch)
+    source = make_source(cfg.data, cfg.model, t.seed)  # CorpusError before anything starts
+    device = resolve_device(t.device)
+    init_distributed(device, dims.world)
+    par = init_parallel(dims, device)
+    if par.global_rank == 0:
+        print(contract.format_env(environment(device, dims.world)), file=out, flush=True)
+
+    model = build_model(
+        cfg.model,
+        seed=t.seed,
+        force_balance=t.benchmark,
+        balance_ep=dims.ep,
+        device="meta",
+        init_std=cfg.trainer.init_std,
+    )
+    for layer in moe.moe_layers(model):
+        layer.experts.backend = cfg.trainer.expert_backend
+    if cfg.dtype.fp8 or cfg.dtype.name == "fp8":
+        apply_fp8(model, device)
+    parts, pipe = distribute(model, par, cfg)
+    for part in parts:
+        part.train()
+        moe.set_aux_loss_grad_scale(part, 1.0 / n_micro)
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    # Fused AdamW (GPU and CPU, so the CPU tests run the GPU's optimizer path): one kernel per
+    # parameter group instead of a dozen foreach passes (72.6 -> 31.9 ms/step on one H200).
+    optimizer = torch.optim.AdamW(
+        optimizer_param_groups(params),
+        lr=t.lr,
+        betas=(0.9, 0.95),
+        weight_decay=cfg.trainer.weight_decay,
+        fused=True,
+    )
+    bf16 = cfg.dtype.name in ("bf16", "fp8")
+    return Trainer(
+        cfg=cfg,
+        dims=dims,
+        device=device,
+        par=par,
+        parts=parts,
+        pipe=pipe,
+        params=params,
+        optimizer=optimizer,
+        autocast=torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext(),
+        # Compiled, the loss reads the bf16 logits once (fp32 upcast and log-softmax fused)
+        # instead of materialising them in fp32 [tokens x vocab].
+        loss_fn=torch.compile(cross_entropy) if cfg.trainer.compile else cross_entropy,
+        source=source,
+        offsets=[
+            dims.token_offset(m, par.dp_cp_rank, t.micro_batch, t.sequence_length)
+            for m in range(n_micro)
+        ],
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# One step
+
+
+def local_batch(tr: Trainer, step: int) -> list[tuple]:
+    """This rank's micro-batches of the step, on the device: [(inputs_BS, labels_BS,
+    positions_BS or None)], zig-zag sharded over the cp group under context parallel."""
+    t, dims = tr.cfg.training, tr.dims
+    cp_rank = tr.par.rank("cp")
+    microbatches = []
+    for inputs_BS, labels_BS in local_microbatches(
+        tr.source,
+        step,
+        global_batch=t.global_batch,
+        micro_batch=t.micro_batch,
+        seq=t.sequence_length,
+        dp=dims.dp,
+        dp_rank=tr.par.rank("dp"),
+    ):
+        positions_BS = None
+        if dims.cp > 1:
+            inputs_BS, labels_BS, positions_BS = cp.shard_batch(
+                inputs_BS, labels_BS, dims.cp, cp_rank
+            )
+            positions_BS = positions_BS.to(tr.device, non_blocking=True)
+        inputs_BS = inputs_BS.to(tr.device, non_blocking=True)
+        microbatches.append((inputs_BS, labels_BS.to(tr.device, non_blocking=True), positions_BS))
+    return microbatches
 
 
 def forward_backward(model, microbatches, *, offsets, autocast, loss_fn=cross_entropy):
@@ -169,192 +295,97 @@ def forward_backward(model, microbatches, *, offsets, autocast, loss_fn=cross_en
     return total / M
 
 
-class Profiler:
-    """torch.profiler over the last `trainer.profile_steps` steps; writes, per rank,
-    `kernels_rank<r>.txt` (ops by device time) and `trace_rank<r>.json` (Chrome trace).
+def train_step(tr: Trainer, microbatches) -> tuple[torch.Tensor | None, float]:
+    """One optimizer step between two synchronized points: (loss tensor, step time in s).
 
-    The profiled steps are still timed and printed; tracing costs a little host time per op,
-    so read their step times with that in mind (bench/profile_summary.py reads the trace).
-    """
-
-    def __init__(self, tcfg, max_steps: int, device: torch.device, rank: int, out_dir):
-        n = min(tcfg.profile_steps, max_steps)
-        self.first = max_steps - n + 1 if n > 0 else None
-        self.last = max_steps
-        self.device, self.rank = device, rank
-        self.out_dir = tcfg.profile_dir or out_dir
-        self.prof = None
-
-    def before_step(self, step: int) -> None:
-        if step != self.first:
-            return
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        self.prof = profile(activities=activities)
-        self.prof.start()
-
-    def after_step(self, step: int) -> None:
-        if self.prof is None or step != self.last:
-            return
-        self.prof.stop()
-        out = Path(self.out_dir or "profile")
-        out.mkdir(parents=True, exist_ok=True)
-        sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
-        table = self.prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)
-        (out / f"kernels_rank{self.rank}.txt").write_text(table + "\n")
-        self.prof.export_chrome_trace(str(out / f"trace_rank{self.rank}.json"))
-        self.prof = None
-
-
-def run(cfg: Config, out=sys.stdout, profile_dir=None) -> None:
-    dims = cfg.validate()
-    t = cfg.training
-    source = make_source(cfg.data, cfg.model, t.seed)  # CorpusError before anything starts
-    device = resolve_device(t.device)
-    init_distributed(device, dims.world)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    api = parallel_api()
-    if api is None and dims.world > 1:
-        raise TrainerError("this trainer has no parallelize.py: only one process can run")
-    par = api.init_parallel(dims, device) if api else None
-    dp_cp_rank = par.dp_cp_rank if par else 0
-    dp_rank, cp_rank = (par.rank("dp"), par.rank("cp")) if par else (0, 0)
-
-    if rank == 0:
-        print(contract.format_env(environment(device, dims.world)), file=out, flush=True)
-
-    # With parallelize.py the model starts on the meta device: it allocates and initialises
-    # only this rank's part (its pipeline stages' layers, its EP slice of the experts).
-    model = build_model(
-        cfg.model,
-        seed=t.seed,
-        force_balance=t.benchmark,
-        balance_ep=dims.ep,
-        device="meta" if api else device,
-        init_std=cfg.trainer.init_std,
-    )
-    for layer in moe.moe_layers(model):
-        layer.experts.backend = cfg.trainer.expert_backend
-    if cfg.dtype.fp8 or cfg.dtype.name == "fp8":
-        apply_fp8(model, device)
-    if api:
-        model = api.parallelize(model, par, cfg)
-    pipe = par.pipeline if par is not None else None  # PP: the schedule runs the step (pp.py)
-    # Under PP with virtual stages a rank holds several stage modules: train all of them.
-    parts = [st.submod for st in pipe.stages] if pipe is not None else [model]
-    for part in parts:
-        part.train()
-    params = [p for part in parts for p in part.parameters() if p.requires_grad]
-    # Fused AdamW (GPU and CPU, so the CPU tests run the GPU's optimizer path): one kernel per
-    # parameter group instead of a dozen foreach passes (72.6 -> 31.9 ms/step on one H200).
-    groups = api.optimizer_param_groups(params) if api else [{"params": params}]
-    optimizer = torch.optim.AdamW(
-        groups,
-        lr=t.lr,
-        betas=(0.9, 0.95),
-        weight_decay=cfg.trainer.weight_decay,
-        fused=True,
-    )
-    autocast = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if cfg.dtype.name in ("bf16", "fp8")
-        else nullcontext()
-    )
-
-    # Compiled, the loss reads the bf16 logits once (fp32 upcast and log-softmax fused) instead
-    # of materialising them in fp32 [tokens x vocab].
-    loss_fn = torch.compile(cross_entropy) if cfg.trainer.compile else cross_entropy
-
-    S, mb = t.sequence_length, t.micro_batch
-    tokens_per_micro = mb * S // dims.cp
-    n_micro = t.global_batch // (dims.dp * mb)
-    moe.set_aux_loss_grad_scale(model, 1.0 / n_micro)
-    # Forced balance counts slots by global token index: micro-batch-major over dp x cp ranks.
-    offsets = [(m * dims.dp_cp + dp_cp_rank) * tokens_per_micro for m in range(n_micro)]
-    dp_cp_group = par.group("dp_cp") if par else None
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-
-    profiler = Profiler(cfg.trainer, t.max_steps, device, rank, profile_dir)
-    for step in range(1, t.max_steps + 1):
-        profiler.before_step(step)
-        microbatches = []
-        for inputs_BS, labels_BS in local_microbatches(
-            source,
-            step,
-            global_batch=t.global_batch,
-            micro_batch=mb,
-            seq=S,
-            dp=dims.dp,
-            dp_rank=dp_rank,
-        ):
-            positions_BS = None
-            if dims.cp > 1:
-                from moe_perf.trainer import cp
-
-                inputs_BS, labels_BS, positions_BS = cp.shard_batch(
-                    inputs_BS, labels_BS, dims.cp, cp_rank
-                )
-                positions_BS = positions_BS.to(device, non_blocking=True)
-            microbatches.append(
-                (
-                    inputs_BS.to(device, non_blocking=True),
-                    labels_BS.to(device, non_blocking=True),
-                    positions_BS,
-                )
-            )
-
-        sync(device)
-        t0 = time.perf_counter()
-        if pipe is not None:  # PP: forward and backward of every micro-batch, pipelined
-            from moe_perf.trainer import pp
-
-            loss = pp.forward_backward(pipe, microbatches, autocast)
-        else:
-            loss = forward_backward(
-                model, microbatches, offsets=offsets, autocast=autocast, loss_fn=loss_fn
-            )
-        if cfg.trainer.max_grad_norm > 0:
-            if api:
-                api.clip_grad_norm_(params, cfg.trainer.max_grad_norm, par)
-            else:
-                torch.nn.utils.clip_grad_norm_(params, cfg.trainer.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        step_time = time.perf_counter() - t0
-        profiler.after_step(step)
-
-        # Outside the timed region: host syncs and small reductions for the line.
-        if pipe is not None:  # PP: the last stage's loss reaches rank 0; aux sums all stages
-            loss, aux_value = pp.step_metrics(pipe, loss, torch.nn.ModuleList(parts), device)
-        else:
-            aux_value = moe.aux_loss_total(model)
-        loss_value = mean_over(loss, dp_cp_group)
-        peak = peak_memory_gib(device)
-        tokens_per_s = t.global_batch * S / step_time
-        tflops, mfu = flops.tflops_and_mfu(
-            cfg.model, S, tokens_per_s, dims.world, device_name, cfg.dtype.name
+    Forward, backward, gradient reduction, clipping and the optimizer step are timed; the loss
+    stays on the device (no host sync inside)."""
+    max_norm, optimizer = tr.cfg.trainer.max_grad_norm, tr.optimizer
+    sync(tr.device)
+    t0 = time.perf_counter()
+    if tr.pipe is not None:
+        loss = pp.forward_backward(tr.pipe, microbatches, tr.autocast)
+    else:
+        loss = forward_backward(
+            tr.parts[0], microbatches, offsets=tr.offsets, autocast=tr.autocast, loss_fn=tr.loss_fn
         )
-        if rank == 0:
-            print(
-                contract.format_step(
-                    step,
-                    t.max_steps,
-                    step_time_s=step_time,
-                    tokens_per_s=tokens_per_s,
-                    peak_mem_gib=peak,
-                    loss=loss_value,
-                    tflops=tflops,
-                    mfu=mfu,
-                    aux_loss=aux_value,
-                ),
-                file=out,
-                flush=True,
-            )
+    if max_norm > 0:
+        clip_grad_norm_(tr.params, max_norm, tr.par)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync(tr.device)
+    return loss, time.perf_counter() - t0
 
+
+def step_metrics(tr: Trainer, loss: torch.Tensor | None, step_time: float) -> dict:
+    """The contract line's values (collectives and host syncs: outside the timed region).
+
+    Under PP the last stage's loss reaches every pp rank and the balance losses are summed over
+    all stages; the loss is then averaged over the data x context ranks."""
+    t = tr.cfg.training
+    if tr.pipe is not None:
+        loss, aux_value = pp.step_metrics(tr.pipe, loss, nn.ModuleList(tr.parts), tr.device)
+    else:
+        aux_value = moe.aux_loss_total(tr.parts[0])
+    tokens_per_s = t.global_batch * t.sequence_length / step_time
+    tflops, mfu = flops.tflops_and_mfu(
+        tr.cfg.model, t.sequence_length, tokens_per_s, tr.dims.world, tr.device_name,
+        tr.cfg.dtype.name,
+    )  # fmt: skip
+    return dict(
+        step_time_s=step_time,
+        tokens_per_s=tokens_per_s,
+        peak_mem_gib=peak_memory_gib(tr.device),
+        loss=mean_over(loss, tr.par.group("dp_cp")),
+        tflops=tflops,
+        mfu=mfu,
+        aux_loss=aux_value,
+    )
+
+
+def explain(tr: Trainer, steps: int, out_dir) -> None:
+    """`steps` more steps after the measured ones, profiled and without contract lines (the
+    measured steps are not perturbed). Writes in `out_dir` (default ./explain) per rank
+    `trace_rank<r>.json` and, from rank 0, `steps.json`: {"steps": n, "wall_s": [...]} and on
+    GPU the run's peak memory allocated and reserved (GiB, max over ranks)."""
+    out = Path(out_dir or "explain")
+    first = tr.cfg.training.max_steps + 1
+
+    def one_step(i: int) -> float:
+        return train_step(tr, local_batch(tr, first + i))[1]
+
+    wall_s = profiling.profile_steps(one_step, steps, tr.device, out / f"trace_rank{tr.rank}.json")
+    info = {"steps": steps, "wall_s": wall_s}
+    if tr.device.type == "cuda":
+        peaks = torch.tensor(
+            [torch.cuda.max_memory_allocated(tr.device), torch.cuda.max_memory_reserved(tr.device)],
+            dtype=torch.float64,
+            device=tr.device,
+        )
+        if dist.is_initialized():
+            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+        info["peak_mem_allocated_gib"], info["peak_mem_reserved_gib"] = (peaks / 2**30).tolist()
+    if tr.rank == 0:
+        (out / "steps.json").write_text(json.dumps(info) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+
+
+def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None) -> None:
+    tr = build(cfg, out)
+    max_steps = cfg.training.max_steps
+    profiler = profiling.Profiler(cfg.trainer, max_steps, tr.device, tr.rank, profile_dir)
+    for step in range(1, max_steps + 1):
+        profiler.before_step(step)
+        loss, step_time = train_step(tr, local_batch(tr, step))
+        profiler.after_step(step)
+        metrics = step_metrics(tr, loss, step_time)
+        if tr.rank == 0:
+            print(contract.format_step(step, max_steps, **metrics), file=out, flush=True)
+    if cfg.trainer.explain_steps > 0:
+        explain(tr, cfg.trainer.explain_steps, explain_dir)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -368,7 +399,9 @@ def main(argv: list[str]) -> int:
         )
         return 0 if argv else 2
     try:
-        run(load_config(argv[0], argv[1:]), profile_dir=Path(argv[0]).resolve().parent / "profile")
+        arm_dir = Path(argv[0]).resolve().parent
+        cfg = load_config(argv[0], argv[1:])
+        run(cfg, profile_dir=arm_dir / "profile", explain_dir=arm_dir / "explain")
         return 0
     except (*USER_ERRORS, TrainerError) as e:
         print(f"moe_perf.trainer: error: {e}", file=sys.stderr)

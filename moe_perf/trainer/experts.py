@@ -1,0 +1,105 @@
+"""The routed experts: L SwiGLU FFNs as stacked weights, one grouped matmul per weight.
+
+Shapes: the trainer's legend (moe_perf/trainer/__init__.py).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+
+from moe_perf.trainer.layers import init_generator, swiglu
+
+# The profiler span around the routed experts' compute: explain (report/explain.py) counts what
+# runs inside it, and its backward, as expert time.
+EXPERT_SCOPE = "moe_perf.experts"
+
+
+def expert_scope() -> AbstractContextManager:
+    """The EXPERT_SCOPE span while a profiler runs; nothing otherwise (a record_function costs
+    a dispatcher call per use even with no profiler)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(EXPERT_SCOPE)
+    return nullcontext()
+
+
+def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """torch._grouped_mm needs row strides that are multiples of 16 bytes; bf16 on CUDA."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        return False
+    return all(
+        (t.shape[-1] * t.element_size()) % 16 == 0 and (t.shape[-2] * t.element_size()) % 16 == 0
+        for t in (x, *weights)
+    )
+
+
+class GroupedExperts(nn.Module):
+    """L SwiGLU experts as stacked weights: w1, w3 [L, D, F], w2 [L, F, D].
+
+    forward(x_ND, tokens_per_expert_L): rows of x_ND are grouped by expert in order 0..L-1.
+    EP keeps rank r's slice [r*E/ep, (r+1)*E/ep) of every weight, sets num_experts to L and
+    first_expert (the global id of local expert 0) to r*E/ep.
+    """
+
+    def __init__(self, num_experts: int, dim: int, ffn: int, swiglu_clamp: float = 0.0):
+        super().__init__()
+        self.num_experts = num_experts
+        self.first_expert = 0
+        self.swiglu_clamp = swiglu_clamp
+        self.backend = "auto"  # auto: _grouped_mm where it runs, else loop | grouped_mm | loop
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn, dim))
+
+    def init_weights(self, std: float, out_std: float, generator=None) -> None:
+        """Truncated normal weights.
+
+        With `generator` (the model's per-unit init, model.Transformer.init_weights) expert e
+        of each weight draws from its own stream, seeded from (the generator's seed, weight
+        name, GLOBAL expert id first_expert + e), and nothing from `generator` itself: an EP
+        rank that holds only experts [first, first + L) initialises exactly their slice of the
+        full layer, without ever allocating the full layer. Without, the global RNG fills
+        whole tensors.
+        """
+        for name, s in (("w1", std), ("w3", std), ("w2", out_std)):
+            w = getattr(self, name)
+            if generator is None:
+                nn.init.trunc_normal_(w, std=s)
+                continue
+            unit = generator.initial_seed()
+            for e in range(w.shape[0]):
+                g = init_generator(w.device, unit, name, self.first_expert + e)
+                nn.init.trunc_normal_(w[e], std=s, generator=g)
+
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if torch.is_autocast_enabled(x_ND.device.type):
+            # _grouped_mm has no autocast rule: cast by hand to the autocast dtype.
+            dt = torch.get_autocast_dtype(x_ND.device.type)
+            x_ND, w1, w2, w3 = x_ND.to(dt), w1.to(dt), w2.to(dt), w3.to(dt)
+        use_grouped = self.backend == "grouped_mm" or (
+            self.backend == "auto" and _grouped_mm_ok(x_ND, w1, w2, w3)
+        )
+        if use_grouped:
+            # Rows past offsets[-1] come back uninitialised; there are none here (N = sum).
+            offsets_L = torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32)
+            h_NF = swiglu(
+                torch._grouped_mm(x_ND, w1, offs=offsets_L),
+                torch._grouped_mm(x_ND, w3, offs=offsets_L),
+                self.swiglu_clamp,
+            )
+            return torch._grouped_mm(h_NF, w2, offs=offsets_L)
+        return self._loop(x_ND, tokens_per_expert_L, w1, w2, w3)
+
+    def _loop(self, x_ND, tokens_per_expert_L, w1, w2, w3) -> torch.Tensor:
+        """Per-expert matmuls on slices (a host sync for the counts)."""
+        outs, start = [], 0
+        for e, n in enumerate(tokens_per_expert_L.tolist()):
+            x = x_ND[start : start + n]
+            outs.append(swiglu(x @ w1[e], x @ w3[e], self.swiglu_clamp) @ w2[e])
+            start += n
+        return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
