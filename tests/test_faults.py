@@ -326,3 +326,30 @@ def test_an_earlier_sweep_is_kept_whole_and_its_comparison_rebuilt(tmp_path):
     )  # fmt: skip
     assert unknown.returncode == 2 and "no sweep nope in" in unknown.stderr
     assert first_id in unknown.stderr and "Traceback" not in unknown.stderr
+
+
+# ---- records the comparison cannot use --------------------------------------------------------
+
+
+def test_compare_skips_a_record_of_wrong_types_with_a_note(tmp_path):
+    repo = stand_in_repo(tmp_path / "repo")
+    result = moe_perf(repo, *RUN, "-m", "arm=base,feat")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    good = arm_record(repo, "base")
+    bad_dir = arm_dir(repo, "base").with_name("pp1-dp1-cp1-ep1-seq64-x-base-r1")
+    bad_dir.mkdir()
+    steps = [{**s, "step": str(s["step"]), "step_time_s": "0.02"} for s in good["steps"]]
+    broken = {**good, "repeat": 1, "summary": "fast", "steps": steps}
+    (bad_dir / "metrics.json").write_text(json.dumps(broken))
+    (arm_dir(repo, "feat") / "metrics.json").write_text('["valid JSON, not a record"]')
+    out = subprocess.run([sys.executable, "-m", "moe_perf.compare", str(sweep_dir(repo))],
+                         capture_output=True, text=True, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+    assert f"skipped {bad_dir / 'metrics.json'}: not a moe_perf.arm/1 record: summary is " in (
+        out.stdout
+    )
+    assert "steps[0].step is \"1\", not int" in out.stdout
+    assert "holds a JSON list, not an object" in out.stdout
+    (group,) = strict(sweep_dir(repo) / "comparison.json")["groups"]
+    assert [r["repeat"] for r in group["runs"]] == [0]  # the good base run only

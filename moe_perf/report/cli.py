@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"moe_perf.compare: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # a record the checks let through: one line, never a traceback
+        print(f"moe_perf.compare: could not compare ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
     print(strict_json(report) if args.json else text, end="")
     return 0
 

@@ -148,15 +148,79 @@ def config_differences(configs: dict[str, dict]) -> list[dict]:
     return differences
 
 
+# What each key of an arm record holds (schema moe_perf.arm/1); `None` allowed where listed.
+_NUMBER = (int, float)
+RECORD_TYPES: dict[str, tuple[tuple, bool]] = {  # key: (types, may be null)
+    "schema": ((str,), False),
+    "sweep_id": ((str,), True),
+    "model": ((str,), False),
+    "tag": ((str,), False),
+    "arm": ((str,), False),
+    "repeat": ((int,), False),
+    "ref": ((str,), True),
+    "sha": ((str,), True),
+    "status": ((str,), False),
+    "exit_code": ((int,), True),
+    "failure": ((str,), True),
+    "steps": ((list,), False),
+    "summary": ((dict,), False),
+    "environment": ((dict,), True),
+    "config": ((dict,), True),
+}
+
+
+def _type_problem(where: str, value: object, types: tuple, nullable: bool) -> str | None:
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, types):  # a bool is no number
+        want = " or ".join(t.__name__ for t in types) + (" or null" if nullable else "")
+        return f"{where} is {json.dumps(value, default=str)[:40]}, not {want}"
+    return None
+
+
+def record_problems(record: object) -> list[str]:
+    """Why `record` is not an arm record of schema moe_perf.arm/1 ([] when it is one): the
+    keys the comparison reads, with their types, and each step's number and metrics."""
+    if not isinstance(record, dict):
+        return [f"the file holds a JSON {type(record).__name__}, not an object"]
+    schema = record.get("schema")
+    if not isinstance(schema, str) or not schema.startswith("moe_perf.arm/"):
+        return [f"schema {schema!r} is not {SCHEMA}"]
+    problems = []
+    for key, (types, nullable) in RECORD_TYPES.items():
+        if key not in record:
+            if not nullable:
+                problems.append(f"no {key!r}")
+            continue
+        problem = _type_problem(key, record[key], types, nullable)
+        if problem:
+            problems.append(problem)
+    if record.get("status") not in (None, "ok", "failed"):
+        problems.append(f"status is {record['status']!r}, not 'ok' or 'failed'")
+    for i, step in enumerate(record.get("steps") if isinstance(record.get("steps"), list) else []):
+        if not isinstance(step, dict):
+            problems.append(f"steps[{i}] is not an object")
+            continue
+        problems += filter(None, [_type_problem(f"steps[{i}].step", step.get("step"), (int,),
+                                                False)])  # fmt: skip
+        problems += filter(None, (_type_problem(f"steps[{i}].{key}", step.get(key), _NUMBER, True)
+                                  for key in METRICS))  # fmt: skip
+    summary = record.get("summary") if isinstance(record.get("summary"), dict) else {}
+    problems += filter(None, (_type_problem(f"summary.{key}", summary.get(key), _NUMBER, True)
+                              for key in summary))  # fmt: skip
+    return problems
+
+
 def load_record(path: Path) -> tuple[dict | None, str | None]:
     """(record, None) for a readable arm record, else (None, why it was skipped)."""
     try:
         record = read_record(path)
     except (OSError, ValueError) as exc:
         return None, f"skipped {path}: unreadable ({exc})"
-    schema = record.get("schema") if isinstance(record, dict) else None
-    if not isinstance(schema, str) or not schema.startswith("moe_perf.arm/"):
-        return None, f"skipped {path}: schema {schema!r} is not {SCHEMA}"
+    problems = record_problems(record)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        return None, f"skipped {path}: not a {SCHEMA} record: {'; '.join(problems[:3])}{more}"
     record["_path"] = str(path)
     return record, None
 
