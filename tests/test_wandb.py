@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -96,11 +98,12 @@ def test_disabled_creates_nothing_and_does_not_import_wandb(tmp_path):
 
 
 def test_auto_mode_follows_the_configured_key(tmp_path, monkeypatch):
+    server = socket.create_server(("127.0.0.1", 0))  # a server that accepts connections
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
     netrc_file = tmp_path / "netrc"
-    netrc_file.write_text(f"machine api.wandb.ai\n  login user\n  password {FAKE_KEY}\n")
+    netrc_file.write_text(f"machine 127.0.0.1\n  login user\n  password {FAKE_KEY}\n")
     netrc_file.chmod(0o600)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
     assert wandb_log.resolve_mode("auto") == "offline"
     monkeypatch.setenv("NETRC", str(netrc_file))
@@ -111,6 +114,26 @@ def test_auto_mode_follows_the_configured_key(tmp_path, monkeypatch):
     assert wandb_log.resolve_mode("disabled") == "disabled"
     with pytest.raises(ValueError, match="wandb.mode"):
         wandb_log.resolve_mode("sometimes")
+    server.close()
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_auto_mode_with_an_unreachable_server_goes_offline_in_seconds(tmp_path):
+    arm_dir = tmp_path / "pp1-dp1-cp1-ep1-seq64-bf16-feat-r1"
+    arm_dir.mkdir()
+    url = f"http://127.0.0.1:{closed_port()}"
+    start = time.monotonic()
+    out = run_log_arm(tmp_path, arm_dir, {"mode": "auto"}, WANDB_API_KEY=FAKE_KEY,
+                      WANDB_BASE_URL=url)  # fmt: skip
+    took = time.monotonic() - start
+    assert f"wandb offline (wandb.mode=auto: {url} did not answer within 3 s)" in out
+    assert list((arm_dir / "wandb").glob("offline-run-*"))
+    assert took < 30  # wandb alone retries an unreachable server for about 90 s
 
 
 def test_redaction_and_run_name(tmp_path):

@@ -12,7 +12,8 @@ written, so wandb's start-up and network never touch a measured step)::
 * `wandb_cfg`: the config's `wandb` block (a dict or DictConfig): `mode` (`auto` | `online` |
   `offline` | `disabled`, default `auto`), `project` (default `moe_perf`), optional `entity`.
   `auto` is online when an API key is configured (WANDB_API_KEY, or a netrc entry for the
-  wandb host) and offline otherwise; `disabled` does nothing and does not import wandb.
+  wandb host) and the server (WANDB_BASE_URL) accepts a connection within a few seconds, and
+  offline otherwise; `disabled` does nothing and does not import wandb.
 * Returns the wandb run directory, or None when disabled or when wandb failed (a warning is
   printed: wandb trouble never fails an arm).
 
@@ -27,7 +28,9 @@ from __future__ import annotations
 import netrc
 import os
 import re
+import socket
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
@@ -50,9 +53,36 @@ def _as_dict(cfg: Mapping | None) -> dict:
     return dict(cfg)
 
 
+# wandb itself retries an unreachable server for about 90 s per run before it gives up
+PROBE_TIMEOUT_S = 3.0
+
+
+def _base_url() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
+
+
 def _wandb_host() -> str:
-    base_url = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-    return urlparse(base_url).hostname or "api.wandb.ai"
+    return urlparse(_base_url()).hostname or "api.wandb.ai"
+
+
+def server_reachable(base_url: str, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the server accepts a TCP connection within `timeout_s`, name lookup included
+    (which has no timeout of its own: it runs in a thread that is given up on)."""
+    url = urlparse(base_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    reached: list[bool] = []
+
+    def connect() -> None:
+        try:
+            with socket.create_connection((url.hostname or "", port), timeout=timeout_s):
+                reached.append(True)
+        except OSError:
+            pass
+
+    probe = threading.Thread(target=connect, name="wandb-probe", daemon=True)
+    probe.start()
+    probe.join(timeout_s)
+    return bool(reached)
 
 
 def api_key() -> str | None:
@@ -67,14 +97,25 @@ def api_key() -> str | None:
     return entry[2] if entry and entry[2] else None
 
 
-def resolve_mode(mode: str | None) -> str:
-    """`auto` -> online with an API key, offline without; other modes as given."""
+def choose_mode(mode: str | None) -> tuple[str, str]:
+    """(mode, why): `auto` is online with an API key and a reachable server, else offline;
+    other modes as given."""
     mode = (mode or "auto").lower()
     if mode not in MODES:
         raise ValueError(f"wandb.mode={mode!r}: choose one of {', '.join(MODES)}")
-    if mode == "auto":
-        return "online" if api_key() else "offline"
-    return mode
+    if mode != "auto":
+        return mode, f"wandb.mode={mode}"
+    if not api_key():
+        return "offline", "wandb.mode=auto and no API key: WANDB_API_KEY or a netrc entry"
+    if not server_reachable(_base_url()):
+        return "offline", (f"wandb.mode=auto: {_base_url()} did not answer within "
+                           f"{PROBE_TIMEOUT_S:g} s")  # fmt: skip
+    return "online", "wandb.mode=auto and an API key is configured"
+
+
+def resolve_mode(mode: str | None) -> str:
+    """The mode wandb runs in (choose_mode without the reason)."""
+    return choose_mode(mode)[0]
 
 
 def redact(value, secrets: tuple[str, ...] = ()):
@@ -110,7 +151,7 @@ def _run_config(record: dict, secrets: tuple[str, ...]) -> dict:
     return config
 
 
-def _log_run(record: dict, arm_dir: Path, cfg: dict, mode: str) -> str:
+def _log_run(record: dict, arm_dir: Path, cfg: dict, mode: str, why: str) -> str:
     import wandb  # here, not at module top: `disabled` must not even import it
 
     secrets = tuple(s for s in (api_key(),) if s)
@@ -142,10 +183,6 @@ def _log_run(record: dict, arm_dir: Path, cfg: dict, mode: str) -> str:
         run.summary["status"] = record.get("status")
         run_dir = Path(run.dir).parent
         where = run.url if mode == "online" else f"{run_dir} (upload later: wandb sync {run_dir})"
-        asked = (cfg.get("mode") or "auto").lower()
-        why = f"wandb.mode={asked}" if asked != "auto" else (
-            "wandb.mode=auto and an API key is configured" if mode == "online"
-            else "wandb.mode=auto and no API key: WANDB_API_KEY or a netrc entry")  # fmt: skip
         print(f"[moe_perf] wandb {mode} ({why}): run {run.name}: {where}", flush=True)
         return str(run_dir)
     finally:
@@ -157,10 +194,10 @@ def log_arm(record: dict, arm_dir: Path | str, wandb_cfg: Mapping | None) -> str
     arm_dir = Path(arm_dir)
     try:
         cfg = _as_dict(wandb_cfg)
-        mode = resolve_mode(cfg.get("mode"))
+        mode, why = choose_mode(cfg.get("mode"))
         if mode == "disabled":
             return None
-        return _log_run(record, arm_dir, cfg, mode)
+        return _log_run(record, arm_dir, cfg, mode, why)
     except Exception as exc:  # wandb trouble must not fail an arm whose numbers are saved
         secrets = tuple(s for s in (api_key(),) if s)
         message = redact(f"{type(exc).__name__}: {exc}", secrets)
