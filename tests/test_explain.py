@@ -14,45 +14,77 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import git, make_repo, moe_perf
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe_perf.report import explain
 
 ROOT = Path(__file__).resolve().parents[1]
-D, E, T = 64, 4, 256  # hidden, experts, tokens
+CPU_SIZES = dict(dim=128, experts=4, tokens=2048, dtype=torch.float32)
+GPU_SIZES = dict(dim=2048, experts=8, tokens=16384, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A one-process group (gloo, and nccl on a GPU), so a step has a real all-to-all."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
 
 class Step:
-    """A small MoE-like training step: dense projections, attention, routed experts."""
+    """A small MoE-like training step: a dense projection, attention, an all-to-all dispatch
+    (with a process group), routed experts as one grouped GEMM, fused AdamW."""
 
-    def __init__(self, extra_elementwise: int = 0, extra_expert_gemms: int = 0):
-        g = torch.Generator().manual_seed(0)
-        self.w_in = torch.randn(D, D, generator=g, requires_grad=True)
-        self.w_e = torch.randn(E, D, D, generator=g, requires_grad=True)
+    def __init__(self, device="cpu", dim=64, experts=4, tokens=256, dtype=torch.float32,
+                 extra_elementwise=0, extra_expert_gemms=0):  # fmt: skip
+        g = torch.Generator(device).manual_seed(0)
+        self.shape, self.device, self.dtype = (tokens, dim), device, dtype
+        self.w_in = torch.randn(dim, dim, generator=g, device=device, requires_grad=True)
+        self.w_e = torch.randn(experts, dim, dim, generator=g, device=device, requires_grad=True)
         self.opt = torch.optim.AdamW([self.w_in, self.w_e], fused=True)
         self.extra_elementwise, self.extra_expert_gemms = extra_elementwise, extra_expert_gemms
-        self.offs = torch.arange(1, E + 1, dtype=torch.int32) * (T // E)
+        step = tokens // experts
+        self.offs = torch.arange(1, experts + 1, dtype=torch.int32, device=device) * step
 
     def __call__(self) -> None:
-        x = torch.randn(T, D)
-        h = x @ self.w_in
-        q = h.view(4, T // 4, D).unsqueeze(1)
-        h = h + F.scaled_dot_product_attention(q, q, q, is_causal=True).reshape(T, D)
+        import torch.distributed as dist
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        T, D = self.shape
+        x = torch.randn(T, D, device=self.device, dtype=self.dtype)
+        h = x @ self.w_in.to(self.dtype)
+        q = h.view(4, T // 4, D // 64, 64).transpose(1, 2)
+        h = h + F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(
+            T, D
+        )
         for _ in range(self.extra_elementwise):
             h = h * 1.0001
+        if dist.is_initialized():
+            h = all_to_all_single_autograd(h, None, None, dist.group.WORLD)
+        w_e = self.w_e.to(self.dtype)
         with record_function(explain.EXPERT_SCOPE):
-            y = torch._grouped_mm(h, self.w_e, offs=self.offs)
+            y = torch._grouped_mm(h, w_e, offs=self.offs)
             for _ in range(self.extra_expert_gemms):
-                y = torch._grouped_mm(y, self.w_e, offs=self.offs)
+                y = torch._grouped_mm(y, w_e, offs=self.offs)
         (y.float() ** 2).mean().backward()
         self.opt.step()
         self.opt.zero_grad()
+        if self.device != "cpu":
+            torch.cuda.synchronize()  # the trainer's step ends on a device sync too
 
 
 def profiled_trace(step: Step, steps: int, path: Path) -> Path:
     """Chrome trace of `steps` calls, each in its ProfilerStep#i span (as the trainer does)."""
     step()  # warm-up outside the trace
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if step.device != "cpu":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         for i in range(steps):
             with record_function(f"ProfilerStep#{i}"):
                 step()
@@ -71,8 +103,8 @@ def arm_record(tmp_path: Path, arm: str, step: Step, steps: int = 5) -> dict:
 
 
 @pytest.fixture(scope="module")
-def breakdown(tmp_path_factory) -> dict:
-    path = profiled_trace(Step(), 3, tmp_path_factory.mktemp("trace") / "trace.json")
+def breakdown(tmp_path_factory, one_rank_group) -> dict:
+    path = profiled_trace(Step(**CPU_SIZES), 3, tmp_path_factory.mktemp("trace") / "trace.json")
     return explain.trace_breakdown(explain.read_trace(path))
 
 
@@ -82,7 +114,7 @@ def test_a_real_cpu_trace_splits_into_steps_and_categories(breakdown):
     cats = breakdown["categories"]
     for key in ("dense_gemm", "expert_gemm", "attention", "optimizer", "norms_elementwise"):
         assert min(cats[key]) > 0, key
-    assert max(cats["all_to_all"]) == 0 and max(cats["collectives"]) == 0
+    assert min(cats["all_to_all"]) > 0  # gloo's all_to_all_single
     # self times plus the time outside any op add up to each step's span
     for i, span in enumerate(breakdown["step_ms"]):
         total = sum(values[i] for values in cats.values())
@@ -122,30 +154,101 @@ def test_categorize_cpu_op_chains(chain, in_experts, key):
 
 
 def test_a_planted_elementwise_pass_is_that_category(tmp_path):
-    base = arm_record(tmp_path, "base", Step())
-    feat = arm_record(tmp_path, "feat", Step(extra_elementwise=200))
+    base = arm_record(tmp_path, "base", Step(**CPU_SIZES))
+    feat = arm_record(tmp_path, "feat", Step(**CPU_SIZES, extra_elementwise=200))
     section = explain.explain_group([base, feat])
     rows = {r["category"]: r for r in section["categories"]}
     assert section["moved_most"] == "norms_elementwise"
     assert rows["norms_elementwise"]["beyond_noise"] and rows["norms_elementwise"]["delta_ms"] > 0
-    assert not rows["expert_gemm"]["beyond_noise"]
+    others = [r["delta_ms"] for k, r in rows.items() if k not in ("norms_elementwise", "host_idle")]
+    assert rows["norms_elementwise"]["delta_ms"] > 3 * max(abs(d) for d in others)
     text = "\n".join(explain.markdown({"explain": section}))
     assert "Moved most: norms/elementwise" in text and "not the measured steps" in text
 
 
 def test_an_a_a_pair_moves_no_category_beyond_its_noise(tmp_path):
-    base = arm_record(tmp_path, "base", Step(), steps=7)
-    feat = arm_record(tmp_path, "feat", Step(), steps=7)
+    base = arm_record(tmp_path, "base", Step(**CPU_SIZES), steps=7)
+    feat = arm_record(tmp_path, "feat", Step(**CPU_SIZES), steps=7)
     section = explain.explain_group([base, feat])
     moved = [r["label"] for r in section["categories"] if r["beyond_noise"]]
     assert moved == [], section["categories"]
 
 
 def test_an_arm_without_traces_says_why(tmp_path):
-    base = arm_record(tmp_path, "base", Step(), steps=2)
+    base = arm_record(tmp_path, "base", Step(**CPU_SIZES), steps=2)
     feat = {"arm": "feat", "arm_dir": str(tmp_path / "nothing"), "status": "ok",
             "config": {"explain": True, "trainer": {"name": "command"}}}  # fmt: skip
     section = explain.explain_group([base, feat])
     assert "categories" not in section
     assert "cannot switch that trainer's profiler on" in section["missing"]["feat"]
     assert any("No breakdown for feat" in line for line in explain.markdown({"explain": section}))
+
+
+# ---- the real command ------------------------------------------------------------------------
+
+EXPERT_RETURN = "return torch._grouped_mm(h_NF, w2, offs=offsets_L)"
+SMALL = ["dtype=fp32", "training.sequence_length=64", "training.global_batch=4",
+         "training.max_steps=3", "trainer.explain_steps=5", "wandb.mode=disabled",
+         "timeout_s=300", "explain=true"]  # fmt: skip
+
+
+def repo_with_this_trainer(path: Path) -> Path:
+    """A repository holding this project's package, so each arm runs its own trainer code."""
+    sources = [p for p in (ROOT / "moe_perf").rglob("*.py") if "__pycache__" not in p.parts]
+    files = {str(p.relative_to(ROOT)): p.read_text() for p in sources}
+    files[".gitignore"] = "__pycache__/\n"
+    return make_repo(path, files)
+
+
+def plant_expert_gemms(repo: Path, extra: int) -> None:
+    """A feature commit: `extra` more grouped GEMMs in the routed experts' forward."""
+    (file,) = [p for p in (repo / "moe_perf" / "trainer").glob("*.py")
+               if EXPERT_RETURN in p.read_text()]  # fmt: skip
+    lines = file.read_text().splitlines(keepends=True)
+    (at,) = [i for i, line in enumerate(lines) if EXPERT_RETURN in line]
+    pad = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    lines[at:at] = [f"{pad}for _ in range({extra}):  # planted: work in one known place\n",
+                    f"{pad}    torch._grouped_mm(x_ND, w1, offs=offsets_L)\n"]  # fmt: skip
+    git(repo, "checkout", "-q", "-b", "more-expert-work")
+    file.write_text("".join(lines))
+    git(repo, "commit", "-q", "-am", f"plant {extra} extra grouped GEMMs in the experts")
+
+
+def explain_section(cwd: Path) -> tuple[dict, str]:
+    result_dir = cwd / "outputs" / "validate-performance"
+    (group,) = json.loads((result_dir / "comparison.json").read_text())["groups"]
+    return group["explain"], (result_dir / "comparison.md").read_text()
+
+
+@pytest.mark.slow
+def test_planted_expert_gemms_show_up_as_expert_gemm_time(tmp_path):
+    repo = repo_with_this_trainer(tmp_path / "repo")
+    plant_expert_gemms(repo, extra=48)
+    result = moe_perf(tmp_path, f"repo={repo}", *SMALL, "-m", "arm=base,feat", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    section, md = explain_section(tmp_path)
+    rows = {r["category"]: r for r in section["categories"]}
+    assert section["moved_most"] == "expert_gemm", section["categories"]
+    assert rows["expert_gemm"]["delta_ms"] > 0 and rows["expert_gemm"]["beyond_noise"]
+    assert rows["dense_gemm"]["beyond_noise"] is False
+    assert section["arms"]["base"]["steps_profiled"] == 5
+    assert "Moved most: expert/grouped GEMM" in md and "not the measured steps" in md
+    assert "Moved most: expert/grouped GEMM" in result.stdout
+    assert (tmp_path / "outputs" / "validate-performance" / section["plot"]).is_file()
+    for arm in ("base", "feat"):  # the measured steps are only the measured ones
+        arm_dir = tmp_path / "outputs" / "validate-performance" / "tiny"
+        (record,) = [json.loads(p.read_text()) for p in arm_dir.glob(f"*-{arm}/metrics.json")]
+        assert [s["step"] for s in record["steps"]] == [1, 2, 3]
+        assert record["config"]["trainer"]["explain_steps"] == 5
+
+
+@pytest.mark.slow
+def test_an_a_a_sweep_moves_no_category_beyond_its_noise(tmp_path):
+    repo = make_repo(tmp_path / "repo")  # no trainer code: both arms run the installed one
+    result = moe_perf(repo, *SMALL, "-m", "arm=base,feat", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    section, md = explain_section(repo)
+    moved = [(r["label"], r["delta_ms"], r["noise_ms"]) for r in section["categories"]
+             if r["beyond_noise"]]  # fmt: skip
+    assert moved == []
+    assert "no category moved beyond noise" in md
