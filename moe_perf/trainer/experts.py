@@ -18,11 +18,13 @@ EXPERT_SCOPE = "moe_perf.experts"
 
 
 def expert_scope() -> AbstractContextManager:
-    """The EXPERT_SCOPE span while a profiler runs; nothing otherwise (a record_function costs
-    a dispatcher call per use even with no profiler)."""
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(EXPERT_SCOPE)
-    return nullcontext()
+    """The EXPERT_SCOPE span while a profiler runs in eager mode; nothing otherwise (a
+    record_function costs a dispatcher call per use even with no profiler). Compiled code never
+    reads the profiler flag: torch.compile would guard on it and recompile every block when a
+    profiler starts."""
+    if torch.compiler.is_compiling() or not torch.autograd.profiler._is_profiler_enabled:
+        return nullcontext()
+    return torch.profiler.record_function(EXPERT_SCOPE)
 
 
 def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
