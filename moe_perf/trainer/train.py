@@ -329,9 +329,13 @@ def step_metrics(tr: Trainer, loss: torch.Tensor | None, step_time: float) -> di
         aux_value = moe.aux_loss_total(tr.parts[0])
     tokens_per_s = t.global_batch * t.sequence_length / step_time
     tflops, mfu = flops.tflops_and_mfu(
-        tr.cfg.model, t.sequence_length, tokens_per_s, tr.dims.world, tr.device_name,
+        tr.cfg.model,
+        t.sequence_length,
+        tokens_per_s,
+        tr.dims.world,
+        tr.device_name,
         tr.cfg.dtype.name,
-    )  # fmt: skip
+    )
     return dict(
         step_time_s=step_time,
         tokens_per_s=tokens_per_s,
@@ -341,6 +345,10 @@ def step_metrics(tr: Trainer, loss: torch.Tensor | None, step_time: float) -> di
         mfu=mfu,
         aux_loss=aux_value,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Profiled steps after the measured ones (explain=true)
 
 
 def explain(tr: Trainer, steps: int, out_dir) -> None:
