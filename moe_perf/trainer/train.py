@@ -12,9 +12,6 @@ reductions are outside. tokens/s = global_batch * sequence_length / step time.
 from __future__ import annotations
 
 import json
-import os
-import platform
-import resource
 import sys
 import time
 import traceback
@@ -41,112 +38,19 @@ from moe_perf.trainer.parallelize import (
     optimizer_param_groups,
     parallelize,
 )
+from moe_perf.trainer.runtime import (
+    TrainerError,
+    apply_fp8,
+    environment,
+    init_distributed,
+    mean_over,
+    peak_gpu_memory_gib,
+    peak_memory_gib,
+    resolve_device,
+    sync,
+)
 
 USER_ERRORS = (ConfigError, MeshError, CorpusError)
-
-
-class TrainerError(RuntimeError):
-    """A run that cannot start on this machine (fp8 without support, world size mismatch)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Set-up
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise TrainerError("training.device=cuda but no CUDA device is available")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if name != "cpu":
-        raise ConfigError(f"training.device={name!r}: expected auto, cpu or cuda")
-    return torch.device("cpu")
-
-
-def init_distributed(device: torch.device, expected_world: int) -> None:
-    """A process group whenever launched by torchrun (even with one process)."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    if world != expected_world:
-        raise TrainerError(
-            f"launched with {world} processes but mesh.nnodes * mesh.nproc_per_node = "
-            f"{expected_world}; change mesh.nproc_per_node or the launch"
-        )
-    if "RANK" not in os.environ:
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
-
-
-def apply_fp8(model: torch.nn.Module, device: torch.device) -> None:
-    """torchao float8 training for the Linear layers (router and head stay in bf16)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-        raise TrainerError(
-            "dtype=fp8 needs a GPU with fp8 tensor cores (compute capability "
-            f">= 8.9); this run is on {device}: use dtype=bf16"
-        )
-    try:
-        from torchao.float8 import convert_to_float8_training
-    except ImportError as e:
-        raise TrainerError("dtype=fp8 needs torchao (pip install torchao); use dtype=bf16") from e
-
-    def eligible(mod, fqn: str) -> bool:
-        return (
-            isinstance(mod, torch.nn.Linear)
-            and "router" not in fqn
-            and fqn != "output"
-            and mod.in_features % 16 == 0
-            and mod.out_features % 16 == 0
-        )
-
-    convert_to_float8_training(model, module_filter_fn=eligible)
-
-
-def environment(device: torch.device, world: int) -> dict:
-    cuda = device.type == "cuda"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
-    devices = (
-        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
-    )
-    return {
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda if cuda else None,
-        "nccl": nccl,
-        "devices": devices,
-        "world_size": world,
-        "python": platform.python_version(),
-    }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def peak_memory_gib(device: torch.device) -> float:
-    """Max over ranks: GPU max reserved; CPU max RSS of the process (ru_maxrss is KiB)."""
-    if device.type == "cuda":
-        local = torch.cuda.max_memory_reserved(device)
-    else:
-        local = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    t = torch.tensor([float(local)], device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() / 2**30
-
-
-def mean_over(value: torch.Tensor, group) -> float:
-    if group is not None and dist.get_world_size(group) > 1:
-        value = value.clone()
-        dist.all_reduce(value, group=group)
-        value /= dist.get_world_size(group)
-    return value.item()
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,14 +269,8 @@ def explain(tr: Trainer, steps: int, out_dir) -> None:
     wall_s = profiling.profile_steps(one_step, steps, tr.device, out / f"trace_rank{tr.rank}.json")
     info = {"steps": steps, "wall_s": wall_s}
     if tr.device.type == "cuda":
-        peaks = torch.tensor(
-            [torch.cuda.max_memory_allocated(tr.device), torch.cuda.max_memory_reserved(tr.device)],
-            dtype=torch.float64,
-            device=tr.device,
-        )
-        if dist.is_initialized():
-            dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
-        info["peak_mem_allocated_gib"], info["peak_mem_reserved_gib"] = (peaks / 2**30).tolist()
+        allocated, reserved = peak_gpu_memory_gib(tr.device)
+        info.update(peak_mem_allocated_gib=allocated, peak_mem_reserved_gib=reserved)
     if tr.rank == 0:
         (out / "steps.json").write_text(json.dumps(info) + "\n")
 

@@ -1,0 +1,126 @@
+"""The trainer's process: its device, its process group, the environment line, the
+synchronisation around a timed step, and the cross-rank reductions behind a step's metrics."""
+
+from __future__ import annotations
+
+import os
+import platform
+import resource
+
+import torch
+import torch.distributed as dist
+
+from moe_perf.common.config import ConfigError
+
+
+class TrainerError(RuntimeError):
+    """A run that cannot start on this machine (fp8 without support, world size mismatch)."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise TrainerError("training.device=cuda but no CUDA device is available")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if name != "cpu":
+        raise ConfigError(f"training.device={name!r}: expected auto, cpu or cuda")
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device, expected_world: int) -> None:
+    """A process group whenever launched by torchrun (even with one process)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world != expected_world:
+        raise TrainerError(
+            f"launched with {world} processes but mesh.nnodes * mesh.nproc_per_node = "
+            f"{expected_world}; change mesh.nproc_per_node or the launch"
+        )
+    if "RANK" not in os.environ:
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+
+
+def apply_fp8(model: torch.nn.Module, device: torch.device) -> None:
+    """torchao float8 training for the Linear layers (router and head stay in bf16)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+        raise TrainerError(
+            "dtype=fp8 needs a GPU with fp8 tensor cores (compute capability "
+            f">= 8.9); this run is on {device}: use dtype=bf16"
+        )
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as e:
+        raise TrainerError("dtype=fp8 needs torchao (pip install torchao); use dtype=bf16") from e
+
+    def eligible(mod, fqn: str) -> bool:
+        return (
+            isinstance(mod, torch.nn.Linear)
+            and "router" not in fqn
+            and fqn != "output"
+            and mod.in_features % 16 == 0
+            and mod.out_features % 16 == 0
+        )
+
+    convert_to_float8_training(model, module_filter_fn=eligible)
+
+
+def environment(device: torch.device, world: int) -> dict:
+    cuda = device.type == "cuda"
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else None
+    devices = (
+        [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []
+    )
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if cuda else None,
+        "nccl": nccl,
+        "devices": devices,
+        "world_size": world,
+        "python": platform.python_version(),
+    }
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Max over ranks: GPU max reserved; CPU max RSS of the process (ru_maxrss is KiB)."""
+    if device.type == "cuda":
+        local = torch.cuda.max_memory_reserved(device)
+    else:
+        local = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t = torch.tensor([float(local)], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() / 2**30
+
+
+def mean_over(value: torch.Tensor, group) -> float:
+    if group is not None and dist.get_world_size(group) > 1:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+        value /= dist.get_world_size(group)
+    return value.item()
+
+
+def peak_gpu_memory_gib(device: torch.device) -> tuple[float, float]:
+    """(max allocated, max reserved) GPU memory of the run so far, max over ranks."""
+    peaks = torch.tensor(
+        [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+        dtype=torch.float64,
+        device=device,
+    )
+    if dist.is_initialized():
+        dist.all_reduce(peaks, op=dist.ReduceOp.MAX)
+    allocated, reserved = (peaks / 2**30).tolist()
+    return allocated, reserved
