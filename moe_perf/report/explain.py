@@ -16,7 +16,10 @@ scope `moe_perf.experts` around the experts' forward; backward ops have no scope
 and are matched to their forward op through the profiler's autograd sequence number.
 
 Steps are split at the profiler's `ProfilerStep#N` markers, the first profiled step dropped
-(when 3 or more); a category's noise is the widest per-step range (max - min) of either arm. The runner never imports torch: traces are JSON.
+(when 3 or more). A category's noise is the widest per-step range (max - min) of either arm,
+and never less than NOISE_FLOOR of the base arm's profiled step: on an H200 the per-step range
+of a GEMM category is about a microsecond, and a change that small is not a move.
+The runner never imports torch: traces are JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 EXPLAIN_STEPS = 4
 EXPERT_SCOPE = "moe_perf.experts"
 TOP_CHANGES = 10
+NOISE_FLOOR = 0.005  # of the base arm's profiled step: smaller changes are never called moves
 
 CATEGORIES = (  # key, label; the order of the tables
     ("dense_gemm", "dense GEMM"),
@@ -467,7 +471,8 @@ def _differences(base: dict, feat: dict) -> dict:
         b, f = base["categories"][key], feat["categories"][key]
         delta = f["median"] - b["median"]
         steps_known = all(a["per_step"] and len(a["step_values"]) > 1 for a in (base, feat))
-        noise = max(b["max"] - b["min"], f["max"] - f["min"]) if steps_known else None
+        floor = NOISE_FLOOR * base["step_ms"]["median"]
+        noise = max(b["max"] - b["min"], f["max"] - f["min"], floor) if steps_known else None
         rows.append({
             "category": key, "label": label, "base_ms": b["median"], "feat_ms": f["median"],
             "delta_ms": delta,
@@ -553,8 +558,10 @@ def _category_table(section: dict) -> list[str]:
     pct = f"{(f - b) / b * 100:+.1f}%" if b else "-"
     lines.append(f"| profiled step | {_ms(b)} | {_ms(f)} | {_ms(f - b, True)} | {pct} | |")
     lines.append("")
-    lines.append("`*`: the difference is larger than the category's noise (the widest "
-                 "per-step range of either arm).")  # fmt: skip
+    lines.append(
+        "`*`: the difference is larger than the category's noise (the widest "
+        f"per-step range of either arm, at least {NOISE_FLOOR:.1%} of the base step)."
+    )
     return lines
 
 
