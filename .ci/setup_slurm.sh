@@ -7,7 +7,11 @@
 # only re-checks. Needs root. Everything it does is logged to /var/log/slurm/.
 #
 # Exits non-zero with the reason when SLURM cannot be brought up; the tests then skip with the
-# reason they find themselves (tests/test_slurm.py probes `sinfo`/`srun`).
+# reason they find themselves (tests/test_slurm.py probes `sinfo`/`srun`). The tests never run
+# this script: .ci/run does, before the tests, and `--stop` after them.
+#
+#   bash .ci/setup_slurm.sh          install if needed, configure, start, wait until idle
+#   bash .ci/setup_slurm.sh --stop   stop slurmd, slurmctld and munged again
 set -euo pipefail
 
 CONF_DIR=/etc/slurm
@@ -155,6 +159,20 @@ wait_idle() {
   die "node $node not idle after ${WAIT_S}s (state: '${state:-none}')"
 }
 
+stop_all() {
+  local pidfile
+  for pidfile in /run/slurmd.pid /run/slurmctld.pid /run/munge/munged.pid; do
+    if daemon_running "$pidfile"; then
+      kill "$(cat "$pidfile")"
+      say "stopped $(basename "$pidfile" .pid)"
+    fi
+  done
+}
+
+if [[ ${1:-} == --stop ]]; then
+  stop_all
+  exit 0
+fi
 install_packages
 write_config
 start_munge

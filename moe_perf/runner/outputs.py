@@ -25,12 +25,14 @@ GITIGNORE_HEADER = "# written by moe_perf: run outputs are not source"
 # the sweep level: Hydra's multirun.yaml, the sweep's state, the comparison
 SWEEP_FILES = ("multirun.yaml", STATE_DIR, "comparison.json", "comparison.md", "comparison.png",
                "explain.png")  # fmt: skip
+# Hydra's submitit launcher: its jobs' pickles and logs, in use while the sweep runs (never moved)
+SUBMITIT_DIR = ".submitit"
 
 
 def _ours_at_top(path: Path) -> bool:
     if path.name == ".gitignore":
         return path.read_text(errors="replace").startswith(GITIGNORE_HEADER)
-    return path.name in SWEEP_FILES or (path.name == PREVIOUS and path.is_dir())
+    return path.name in (*SWEEP_FILES, SUBMITIT_DIR) or (path.name == PREVIOUS and path.is_dir())
 
 
 def foreign_files(repo: Path | None, sweep_dir: Path) -> list[Path]:
