@@ -1,9 +1,12 @@
-"""The sweep session: what holds for a whole sweep, done once by its first job.
+"""The sweep session: what holds for a whole sweep, done once when it starts.
 
-The first job of a sweep takes the repository's lock, checks the tree and every job's
-prerequisites, resolves both refs to SHAs and writes the sweep's state; later jobs join it (in
-this process, or in a process of their own under a launcher that forks). One `SweepSession`
-per command holds the locks and the active sweep instead of module globals.
+Starting a sweep takes the repository's lock, stops what a dead sweep left running and removes
+its worktrees, checks the sweep directory, the tree and every job's prerequisites, resolves
+both refs to SHAs, and only then writes: the earlier sweep moved aside, this sweep's state.
+Under the basic launcher `SweepStart` (a Hydra callback) does it before Hydra writes
+multirun.yaml; otherwise the first job does. Later jobs join the sweep (in this process, or in
+a process of their own under a launcher that forks). One `SweepSession` per command holds the
+locks and the active sweep instead of module globals.
 """
 
 from __future__ import annotations
