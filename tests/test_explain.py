@@ -306,7 +306,10 @@ def test_planted_expert_gemms_show_up_as_expert_gemm_time(tmp_path):
     rows = {r["category"]: r for r in section["categories"]}
     assert section["moved_most"] == "expert_gemm", section["categories"]
     assert rows["expert_gemm"]["delta_ms"] > 0 and rows["expert_gemm"]["beyond_noise"]
-    assert rows["dense_gemm"]["beyond_noise"] is False
+    # one run per arm: a drift of the machine's load between the runs can move every category
+    # a little; the planted one moves far more than any other
+    others = [abs(r["delta_ms"]) for k, r in rows.items() if k != "expert_gemm"]
+    assert rows["expert_gemm"]["delta_ms"] > 2 * max(others)
     assert section["arms"]["base"]["steps_profiled"] == 4  # the first of 5 dropped
     assert "Moved most: expert/grouped GEMM" in md and "not the measured steps" in md
     assert "Moved most: expert/grouped GEMM" in result.stdout
@@ -320,8 +323,10 @@ def test_planted_expert_gemms_show_up_as_expert_gemm_time(tmp_path):
 
 @pytest.mark.slow
 def test_an_a_a_sweep_moves_no_category_beyond_its_noise(tmp_path):
+    """Repeated and interleaved, so the noise holds the run-to-run spread as well (one run per
+    arm would leave out any drift of this shared machine's load between the two runs)."""
     repo = make_repo(tmp_path / "repo")  # no trainer code: both arms run the installed one
-    result = moe_perf(repo, *SMALL, "-m", "arm=base,feat", timeout=600)
+    result = moe_perf(repo, *SMALL, "-m", "repeat=0,1", "arm=base,feat", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     section, md = explain_section(repo)
     moved = [(r["label"], r["delta_ms"], r["noise_ms"]) for r in section["categories"]

@@ -65,6 +65,7 @@ _SCOPES = (
     ),  # fmt: skip
     ("optimizer", re.compile(r"^optimizer\.|_foreach_|adamw|_fused_adam|multi_tensor_apply")),
 )
+_SCOPE_KEYS = {key for key, _ in _SCOPES}
 # Otherwise the innermost name of the chain that matches, in this order, decides (an
 # `aten::t` inside `aten::linear` is GEMM time; a copy kernel is a copy before an elementwise).
 _NAMES = (
@@ -88,7 +89,7 @@ _NAMES = (
     (
         "norms_elementwise",
         re.compile(
-            r"norm|elementwise|vectorized|reduce|softmax|silu|gelu|sigmoid|tanh|exp|log|mul|add"
+            r"norm|elementwise|vectorized|reduce|softmax|silu|gelu|sigmoid|tanh|(?<![a-z])exp(?![a-z])|log|mul|add"
             r"|sub|div|pow|sqrt|neg|abs|sum|mean|max|min|where|clamp|cos|sin|rope|triton|nll_loss"
             r"|cross_entropy|relu|dropout|reciprocal|masked|unrolled|accumulategrad|type_as|lerp"
             r"|square|fused"
@@ -260,7 +261,7 @@ def trace_breakdown(trace: dict | list, steps: int | None = None) -> dict:
                 add(i, "host_idle", "outside any op (Python)", self_us)
                 continue
             key = categorize(op.chain(), _in_experts(op, seqs))
-            if key == "other" and op.scope:  # a scope's own time: Python between its ops
+            if op.scope and key not in _SCOPE_KEYS:  # a scope's own time: Python between ops
                 key = "host_idle"
             add(i, key, op.name, self_us)
         if not markers:  # time between the top-level ops of the block
@@ -580,7 +581,14 @@ def _moved_sentence(section: dict) -> list[str]:
         text += f", beyond its noise of {row['noise_ms']:.3f} ms"
     else:
         text += f", within its noise of {row['noise_ms']:.3f} ms: no category moved beyond noise"
-    return [text + "."]
+    lines = [text + "."]
+    base, feat = section["arms"]["base"], section["arms"]["feat"]
+    if base["runs"] == 1 and feat["runs"] == 1:
+        lines += ["", "One run per arm: the noise is the spread of steps within each run; a drift "
+                  "between the two runs (other load on the machine, clocks) is not in it and "
+                  "moves every category alike. Repeat the arms (-m repeat=0,1 arm=base,feat) "
+                  "to include the run-to-run spread."]  # fmt: skip
+    return lines
 
 
 def _memory_lines(section: dict, group: dict) -> list[str]:
