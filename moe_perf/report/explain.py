@@ -365,6 +365,7 @@ def arm_breakdown(record: dict) -> dict:
         },  # fmt: skip
         "names": {n: _mean_over_ranks([r["names"].get(n, zeros) for r in ranks]) for n in names},
         "memory": memory,
+        "measured_step_s": (record.get("summary") or {}).get("step_time_s"),
     }
 
 
@@ -424,6 +425,7 @@ def _arm_summary(runs: list[dict]) -> dict:
             for n in names
         },  # fmt: skip
         "traces": [t for r in ok for t in r["traces"]],
+        "measured_step_ms": _median_ms([r.get("measured_step_s") for r in ok]),
     }
 
 
@@ -526,6 +528,7 @@ def markdown(group: dict) -> list[str]:
     lines.append("")
     if "categories" in section:
         lines += _category_table(section) + [""] + _moved_sentence(section) + [""]
+        lines += _overhead_lines(arms)
         if section.get("plot"):
             lines += [f"The category deltas as a picture: {section['plot']}.", ""]
         if not (arms["base"]["expert_scope"] and arms["feat"]["expert_scope"]):
@@ -589,6 +592,24 @@ def _moved_sentence(section: dict) -> list[str]:
                   "moves every category alike. Repeat the arms (-m repeat=0,1 arm=base,feat) "
                   "to include the run-to-run spread."]  # fmt: skip
     return lines
+
+
+def _median_ms(seconds: list) -> float | None:
+    known = [v for v in seconds if v is not None]
+    return statistics.median(known) * 1e3 if known else None
+
+
+def _overhead_lines(arms: dict) -> list[str]:
+    """How much longer the profiled steps took than the measured ones: the profiler's cost per
+    op is inside the breakdown, so an op-heavy category reads larger than it runs."""
+    pairs = [(a, s["step_ms"]["median"], s["measured_step_ms"]) for a, s in arms.items()]
+    if any(m is None for _, _, m in pairs):
+        return []
+    shown = "; ".join(f"{a} {p:.1f} ms profiled, {m:.1f} ms measured" for a, p, m in pairs)
+    return [f"Step time with and without the profiler: {shown}. The profiler's cost per op is "
+            "inside these categories: many small ops (CPU, host-bound steps) read larger than "
+            "they run. For how much slower, read the measured step time; for where, this.",
+            ""]  # fmt: skip
 
 
 def _memory_lines(section: dict, group: dict) -> list[str]:
