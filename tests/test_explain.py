@@ -260,6 +260,53 @@ def test_gpu_kernels_are_attributed_and_a_planted_expert_gemm_found(tmp_path, on
     assert not rows["attention"]["beyond_noise"] and not rows["dense_gemm"]["beyond_noise"]
 
 
+# ---- external trainers' profilers ------------------------------------------------------------
+
+
+def external_cfg(trainer: str, max_steps: int = 8, explain_on: bool = True):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({
+        "explain": explain_on, "trainer": {"name": trainer},
+        "training": {"max_steps": max_steps}, "mesh": {"nnodes": 1, "nproc_per_node": 4},
+    })  # fmt: skip
+
+
+def test_torchtitan_profiles_its_last_measured_steps_into_the_arm_dir(tmp_path):
+    from moe_perf.frameworks.torchtitan import profiling_flags
+
+    assert profiling_flags(external_cfg("torchtitan", explain_on=False), tmp_path) == []
+    flags = profiling_flags(external_cfg("torchtitan"), tmp_path)
+    config_manager = pytest.importorskip("torchtitan.config").ConfigManager
+    prof = config_manager().parse_args(flags).profiling
+    assert prof.enable_profiling and prof.save_traces_folder == str(tmp_path / "explain")
+    # torchtitan's schedule: wait = freq - (warmup + active), then warm-up, then active steps
+    wait = prof.profile_freq - (prof.profiler_warmup + prof.profiler_active)
+    assert wait >= 0 and prof.profile_freq == 8 and prof.profiler_active == explain.EXPLAIN_STEPS
+
+
+def test_megatron_profiles_every_rank_over_its_last_iterations(tmp_path):
+    from moe_perf.frameworks.megatron import profiling_flags
+
+    flags = profiling_flags(external_cfg("megatron"), tmp_path)
+    assert flags[:2] == ["--profile", "--use-pytorch-profiler"]
+    value = {flags[i]: flags[i + 1] for i in range(len(flags) - 1) if flags[i].startswith("--")}
+    assert (value["--profile-step-start"], value["--profile-step-end"]) == ("4", "8")
+    assert flags[flags.index("--profile-ranks") + 1 : flags.index("--tensorboard-dir")] == [
+        "0", "1", "2", "3"]  # fmt: skip
+    assert value["--tensorboard-dir"] == str(tmp_path / "explain")
+    assert profiling_flags(external_cfg("megatron", max_steps=1), tmp_path) == []
+
+
+def test_traces_of_each_trainer_are_found(tmp_path):
+    for name in ("trace_rank0.json", "iteration_8/rank1_trace.json", "host_12.345.pt.trace.json"):
+        (tmp_path / "explain" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "explain" / name).write_text("{}")
+    found = [p.relative_to(tmp_path / "explain").as_posix() for p in explain.trace_files(tmp_path)]
+    assert sorted(found) == ["host_12.345.pt.trace.json", "iteration_8/rank1_trace.json",
+                             "trace_rank0.json"]  # fmt: skip
+
+
 # ---- the real command ------------------------------------------------------------------------
 
 EXPERT_RETURN = "return torch._grouped_mm(h_NF, w2, offs=offsets_L)"
