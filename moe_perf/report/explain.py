@@ -189,93 +189,105 @@ def _in_experts(op: _Op, seqs: set) -> bool:
     return False
 
 
+class _Steps:
+    """Milliseconds per profiled step, by category and by op/kernel name (with its category)."""
+
+    def __init__(self, windows: list[tuple[float, float]], divide: int):
+        self.windows, self.divide = windows, divide
+        self.categories = {key: [0.0] * len(windows) for key, _ in CATEGORIES}
+        self.names: dict = defaultdict(lambda: [0.0] * len(windows))
+
+    def index(self, ts: float) -> int | None:
+        for i, (s, e) in enumerate(self.windows):
+            if s - _EPS_US <= ts <= e + _EPS_US:
+                return i
+        return None
+
+    def add(self, i: int, key: str, name: str, us: float) -> None:
+        self.categories[key][i] += us / 1e3 / self.divide
+        self.names[f"{name[:120]} [{LABELS[key]}]"][i] += us / 1e3 / self.divide
+
+
+def _gpu_time(steps: _Steps, kernels: list[dict], ops: list[_Op], seqs: set) -> None:
+    """Kernel time by the category of the kernel and its launching op's chain; the GPU's idle
+    time inside each step window."""
+    by_ext = {op.args.get("External id"): op for op in ops if op.args.get("External id")}
+    busy: list[list] = [[] for _ in steps.windows]
+    for k in kernels:
+        op = by_ext.get((k.get("args") or {}).get("External id"))
+        start, dur = float(k["ts"]), float(k.get("dur", 0))
+        i = steps.index(op.ts if op is not None else start)
+        if i is None:
+            continue
+        chain = [k["name"], *(op.chain() if op is not None else [])]
+        inside = op is not None and _in_experts(op, seqs)
+        steps.add(i, categorize(chain, inside), k["name"], dur)
+        busy[i].append((start, start + dur))
+    for i, (s, e) in enumerate(steps.windows):
+        clipped = [(max(a, s), min(b, e)) for a, b in busy[i] if b > s and a < e]
+        steps.add(i, "host_idle", "GPU idle in the step", max(0.0, (e - s) - _union_us(clipped)))
+
+
+def _cpu_time(steps: _Steps, ops: list[_Op], seqs: set, markers: bool) -> None:
+    """Self time of the training thread's ops by category; a step marker's or a scope's own
+    time (Python between ops) is host time."""
+    for op in ops:
+        i = steps.index(op.ts)
+        if i is None:
+            continue
+        self_us = max(0.0, (op.end - op.ts) - op.child_us)
+        if _STEP.match(op.name):
+            steps.add(i, "host_idle", "outside any op (Python)", self_us)
+            continue
+        key = categorize(op.chain(), _in_experts(op, seqs))
+        steps.add(i, "host_idle" if op.scope and key not in _SCOPE_KEYS else key, op.name, self_us)
+    if not markers and steps.windows:  # one block: the time between its top-level ops
+        (s, e), covered = steps.windows[0], _union_us([(o.ts, o.end) for o in ops if not o.parent])
+        steps.add(0, "host_idle", "outside any op (Python)", max(0.0, (e - s) - covered))
+
+
 def trace_breakdown(trace: dict | list, steps: int | None = None) -> dict:
     """Per profiled step: ms by category and by op/kernel name, and the step's length.
 
-    {"device": "cuda"|"cpu", "steps": n, "expert_scope": bool, "step_ms": [...],
-     "categories": {key: [ms per step]}, "names": {"name [key]": [ms per step]}}
-    `steps` divides a trace that has no ProfilerStep markers (one block otherwise).
+    {"device": "cuda"|"cpu", "steps": n, "step_markers": bool, "expert_scope": bool,
+     "step_ms": [...], "categories": {key: [ms per step]}, "names": {"name [label]": [...]}}
+    A trace without ProfilerStep markers is one block: `steps` divides it.
     """
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     threads: dict = defaultdict(list)
     kernels = []
     for e in events:
-        if e.get("ph") != "X":
-            continue
-        if e.get("cat") in _DEVICE_CATS:
+        if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATS:
             kernels.append(e)
-        elif e.get("cat") in _OP_CATS:
+        elif e.get("ph") == "X" and e.get("cat") in _OP_CATS:
             threads[(e.get("pid"), e.get("tid"))].append(_Op(e))
-    all_ops = [op for ops in threads.values() for op in ops]
     for ops in threads.values():
         _nest(ops)
+    all_ops = [op for ops in threads.values() for op in ops]
     markers = sorted((op for op in all_ops if _STEP.match(op.name)), key=lambda o: o.ts)
-    # the training thread: the one that holds the step markers, else the busiest
+    # the training thread: the one holding the step markers, else the busiest
     main = max(threads, key=lambda k: (any(_STEP.match(o.name) for o in threads[k]),
                                        len(threads[k])), default=None)  # fmt: skip
+    main_ops = threads.get(main, [])
     if markers:
-        windows = [(m.ts, m.end) for m in markers]
-        divide = 1
+        split = _Steps([(m.ts, m.end) for m in markers], 1)
     else:
-        tops = [op for op in threads.get(main, []) if op.parent is None]
-        windows = [(min(o.ts for o in tops), max(o.end for o in tops))] if tops else []
-        divide = max(int(steps or 1), 1)
+        tops = [op for op in main_ops if op.parent is None]
+        block = [(min(o.ts for o in tops), max(o.end for o in tops))] if tops else []
+        split = _Steps(block, max(int(steps or 1), 1))
     seqs = _expert_seqs(all_ops)
-    n = len(windows)
-    cats = {key: [0.0] * n for key, _ in CATEGORIES}
-    names: dict = defaultdict(lambda: [0.0] * n)
-
-    def window_of(ts: float) -> int | None:
-        for i, (s, e) in enumerate(windows):
-            if s - _EPS_US <= ts <= e + _EPS_US:
-                return i
-        return None
-
-    def add(i, key, name, us):
-        cats[key][i] += us / 1e3 / divide
-        names[f"{name[:120]} [{LABELS[key]}]"][i] += us / 1e3 / divide
-
     if kernels:
-        by_ext = {op.args.get("External id"): op for op in all_ops if op.args.get("External id")}
-        busy: list[list] = [[] for _ in windows]
-        for k in kernels:
-            op = by_ext.get((k.get("args") or {}).get("External id"))
-            i = window_of(op.ts) if op is not None else window_of(float(k["ts"]))
-            if i is None:
-                continue
-            chain = [k["name"], *(op.chain() if op is not None else [])]
-            inside = op is not None and _in_experts(op, seqs)
-            add(i, categorize(chain, inside), k["name"], float(k.get("dur", 0)))
-            busy[i].append((float(k["ts"]), float(k["ts"]) + float(k.get("dur", 0))))
-        for i, (s, e) in enumerate(windows):
-            clipped = [(max(a, s), min(b, e)) for a, b in busy[i] if b > s and a < e]
-            add(i, "host_idle", "GPU idle in the step", max(0.0, (e - s) - _union_us(clipped)))
+        _gpu_time(split, kernels, all_ops, seqs)
     else:
-        main_ops = threads.get(main, [])
-        for op in main_ops:
-            i = window_of(op.ts)
-            if i is None:
-                continue
-            self_us = max(0.0, (op.end - op.ts) - op.child_us)
-            if _STEP.match(op.name):
-                add(i, "host_idle", "outside any op (Python)", self_us)
-                continue
-            key = categorize(op.chain(), _in_experts(op, seqs))
-            if op.scope and key not in _SCOPE_KEYS:  # a scope's own time: Python between ops
-                key = "host_idle"
-            add(i, key, op.name, self_us)
-        if not markers:  # time between the top-level ops of the block
-            covered = _union_us([(o.ts, o.end) for o in main_ops if o.parent is None])
-            s, e = windows[0] if windows else (0.0, 0.0)
-            add(0, "host_idle", "outside any op (Python)", max(0.0, (e - s) - covered))
+        _cpu_time(split, main_ops, seqs, bool(markers))
     return {
         "device": "cuda" if kernels else "cpu",
-        "steps": len(windows) * divide,  # without markers: one block, the mean of its steps
+        "steps": len(split.windows) * split.divide,
         "step_markers": bool(markers),
         "expert_scope": any(op.name == EXPERT_SCOPE for op in all_ops),
-        "step_ms": [(e - s) / 1e3 / divide for s, e in windows],
-        "categories": cats,
-        "names": dict(names),
+        "step_ms": [(e - s) / 1e3 / split.divide for s, e in split.windows],
+        "categories": split.categories,
+        "names": dict(split.names),
     }
 
 
