@@ -147,9 +147,9 @@ def test_failed_arms_are_recorded_and_the_sweep_goes_on(tmp_path):
     assert (sweep_dir(repo) / "comparison.md").is_file()
     arms = sweep_dir(repo) / "tiny"
     base, feat = record(arms / f"{TAG}-base"), record(arms / f"{TAG}-feat")
-    # torchrun exits 1 when a worker fails; the worker's own code is in its summary in the log
-    assert (base["status"], base["exit_code"]) == ("failed", 1)
-    assert "exited with code 1" in base["failure"] and len(base["steps"]) == 2
+    # torchrun exits 1 when a worker fails; the worker's own code, from its summary, is recorded
+    assert (base["status"], base["exit_code"], base["launch_exit_code"]) == ("failed", 3, 1)
+    assert "trainer exited with code 3 (rank 0)" in base["failure"] and len(base["steps"]) == 2
     assert "crashing on purpose" in Path(base["log"]).read_text()
     assert "exitcode  : 3" in Path(base["log"]).read_text()
     assert feat["status"] == "failed" and "timed out after 10 s" in feat["failure"]

@@ -187,6 +187,8 @@ def start_runner(repo: Path, pid_dir: Path, *args: str) -> tuple[subprocess.Pope
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # as from a terminal: a shell's background job would inherit SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while not (pid_dir / "pid-0").exists():
@@ -353,3 +355,16 @@ def test_compare_skips_a_record_of_wrong_types_with_a_note(tmp_path):
     assert "holds a JSON list, not an object" in out.stdout
     (group,) = strict(sweep_dir(repo) / "comparison.json")["groups"]
     assert [r["repeat"] for r in group["runs"]] == [0]  # the good base run only
+
+
+def test_a_sweep_refused_by_a_range_check_keeps_the_earlier_sweep_as_it_was(tmp_path):
+    repo = stand_in_repo(tmp_path / "repo")
+    first = moe_perf(repo, *RUN, "-m", "arm=base,feat")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    before = sorted(str(p.relative_to(sweep_dir(repo))) for p in sweep_dir(repo).rglob("*"))
+    multirun = (sweep_dir(repo) / "multirun.yaml").read_text()
+    bad = moe_perf(repo, *RUN, "-m", "arm=base,feat", "training.sequence_length=0,64")
+    assert bad.returncode == 2, bad.stdout[-3000:] + bad.stderr[-3000:]
+    assert "training.sequence_length" in bad.stderr
+    after = sorted(str(p.relative_to(sweep_dir(repo))) for p in sweep_dir(repo).rglob("*"))
+    assert after == before and (sweep_dir(repo) / "multirun.yaml").read_text() == multirun

@@ -155,9 +155,10 @@ def _launch_gone(proc: subprocess.Popen, token: str) -> bool:
 
 
 def stop_launch(proc: subprocess.Popen, token: str, grace_s: float,
-                notify: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                notify: Callable[[str], None] | None = None) -> bool:  # fmt: skip
     """SIGTERM to torchrun's group and every process of this launch, SIGKILL after `grace_s`
-    or at a second Ctrl-C; returns only when no process of the launch is left.
+    or at a Ctrl-C meanwhile; returns only when no process of the launch is left, True when
+    a Ctrl-C (or SIGTERM) came while it waited (the caller decides what that stops).
 
     torchrun forwards SIGTERM to its workers; whatever is still there after the grace period
     (a hung collective, a trainer that ignores SIGTERM) is killed. `notify` is told what
@@ -165,29 +166,35 @@ def stop_launch(proc: subprocess.Popen, token: str, grace_s: float,
     """
     pids = _processes_with_token(token)
     if proc.poll() is not None and not pids:
-        return
+        return False
     with _Escalation() as escalation:
         _signal_all(proc, pids, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and not escalation.requested:
             if _launch_gone(proc, token):
-                return
+                return False
             time.sleep(0.1)
-        if _launch_gone(proc, token):
-            return
-        if notify:
-            why = "interrupted again" if escalation.requested else f"still up after {grace_s:g} s"
-            notify(f"{why}: SIGKILL sent to the arm's processes; waiting until they are gone")
-        # SIGKILLed workers are re-parented to init and reaped there; a process in an
-        # uninterruptible wait (a driver call) dies when that returns: wait for it, say so
-        waited = 0.0
-        while not _launch_gone(proc, token):
-            _signal_all(proc, _processes_with_token(token), signal.SIGKILL)
-            time.sleep(0.2)
-            waited += 0.2
-            if notify and waited >= 10 and waited % 10 < 0.2:
-                left = " ".join(map(str, sorted(_processes_with_token(token))))
-                notify(f"still waiting for pid(s) {left or proc.pid} to exit after SIGKILL")
+        if not _launch_gone(proc, token):
+            if notify:
+                why = f"still up after {grace_s:g} s"
+                why = "interrupted again" if escalation.requested else why
+                notify(f"{why}: SIGKILL sent to the arm's processes; waiting until they are gone")
+            _kill(proc, token, notify)
+    return escalation.requested
+
+
+def _kill(proc: subprocess.Popen, token: str, notify: Callable[[str], None] | None) -> None:
+    """SIGKILL until no process of the launch is left. SIGKILLed workers are re-parented to
+    init and reaped there; one in an uninterruptible wait (a driver call) dies when that
+    returns: wait for it, and say so every 10 s."""
+    waited = 0.0
+    while not _launch_gone(proc, token):
+        _signal_all(proc, _processes_with_token(token), signal.SIGKILL)
+        time.sleep(0.2)
+        waited += 0.2
+        if notify and waited >= 10 and waited % 10 < 0.2:
+            left = " ".join(map(str, sorted(_processes_with_token(token))))
+            notify(f"still waiting for pid(s) {left or proc.pid} to exit after SIGKILL")
 
 
 def failure_of(exit_code: int | None, timed_out: bool, timeout_s: float, parsed: ParsedLog,
@@ -253,7 +260,8 @@ def run_trainer(
             exit_code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             timed_out = True
-            stop_launch(proc, token, kill_grace_s)
+            if stop_launch(proc, token, kill_grace_s):
+                raise KeyboardInterrupt("Ctrl-C while a timed-out arm was stopped") from None
             exit_code = proc.returncode
         except BaseException as exc:
             pump.quiet = True  # torchrun's traceback of the signal: console.log only
@@ -265,7 +273,8 @@ def run_trainer(
             pump.thread.join(timeout=5)
             raise
         wall_s = time.perf_counter() - start
-        stop_launch(proc, token, kill_grace_s)  # stray workers of a finished launch, if any
+        if stop_launch(proc, token, kill_grace_s):  # stray workers of a finished launch, if any
+            raise KeyboardInterrupt("Ctrl-C while a finished arm's workers were stopped")
         pump.thread.join(timeout=10)
     parsed = reader.result()
     launch = LaunchFailure(None, None, None, None)

@@ -109,6 +109,7 @@ def check_all_jobs(job: Job, repo: Path, multirun: DictConfig | None = None) -> 
     for overrides in all_overrides:
         try:
             job_cfg = hydra.compose(config_name=job.config_name, overrides=overrides)
+            preflight.check_config(job_cfg)
             preflight.check_job(job_cfg, repo)
         except PrerequisiteError as err:
             problems.append(f"job [{' '.join(overrides)}]: {err}")
