@@ -139,6 +139,29 @@ def test_bad_step_lines_fail_the_arm_and_every_json_is_strict(tmp_path, mode, re
     strict(sweep_dir(repo) / ".moe_perf" / "sweep.json")
 
 
+def test_each_bad_step_line_is_named():
+    from moe_perf.common.contract import format_step
+    from moe_perf.report.logformats import parse_lines
+
+    def line(step, t=0.5, of=4, tps=100.0):
+        return "[rank0]:" + format_step(step, of, step_time_s=t, tokens_per_s=tps, peak_mem_gib=1)
+
+    cases = {
+        "step 2 printed after step 3 (out of order)": [line(1), line(3), line(2), line(4)],
+        "step 2 printed twice with different values": [line(1), line(2), line(2, t=0.4)],
+        "step 2: step_time_s=0 is not a positive number": [line(1), line(2, t=0), line(3)],
+        "step 3: tokens_per_s=-1 is not a positive number": [line(1), line(2), line(3, tps=-1)],
+        "step 5 is beyond its own /4": [line(k) for k in range(1, 6)],
+    }
+    for reason, lines in cases.items():
+        failure = parse_lines(lines, "contract").failure(4)
+        assert failure and reason in failure, (reason, failure)
+    beyond = parse_lines([line(k, of=9) for k in range(1, 6)], "contract").failure(4)
+    assert "step 5 is beyond training.max_steps=4" in beyond
+    same = parse_lines([line(1), line(2), line(2), line(3), line(4)], "contract")
+    assert same.failure(4) is None and "the repeat dropped: step(s) 2" in same.derivations[0]
+
+
 # ---- exit status and failure reasons ---------------------------------------------------------
 
 
