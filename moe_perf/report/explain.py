@@ -656,7 +656,7 @@ def plot(report: dict, path: Path) -> Path | None:
 
     fig, axes = plt.subplots(len(groups), 1, figsize=(8, 3.6 * len(groups)), squeeze=False)
     for ax, group in zip(axes[:, 0], groups, strict=True):
-        rows = group["explain"]["categories"]
+        rows = [r for r in group["explain"]["categories"] if r["base_ms"] or r["feat_ms"]]
         labels = [r["label"] for r in rows]
         deltas = [r["delta_ms"] for r in rows]
         noise = [r["noise_ms"] or 0.0 for r in rows]
