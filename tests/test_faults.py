@@ -64,6 +64,8 @@ STAND_IN = textwrap.dedent(
                   "NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600042 milliseconds "
                   "before timing out.", file=sys.stderr, flush=True)
             os.abort()
+        if MODE == "sigkill" and step == 2:  # as the kernel's OOM killer does
+            os.kill(os.getpid(), signal.SIGKILL)
         if MODE == "raise" and step == 2:
             raise ValueError("expert weights of layer 3 have shape (8, 64), want (8, 96)")
         if MODE == "ignore_term" and step == 2:
@@ -172,6 +174,7 @@ def test_each_bad_step_line_is_named():
         ("oom", 1, "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB."),
         ("nccl", -6, "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7"),
         ("raise", 1, "ValueError: expert weights of layer 3 have shape (8, 64), want (8, 96)"),
+        ("sigkill", -9, "trainer killed by SIGKILL (rank 0): the kernel's out-of-memory killer"),
     ],
 )
 def test_a_failed_arm_has_its_code_and_reason_and_the_sweep_exits_3(tmp_path, mode, code, reason):
