@@ -5,11 +5,10 @@ The report dict comes from `comparison.compare_records`; nothing here computes a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from moe_perf.report import explain
-from moe_perf.report.record import ARMS
+from moe_perf.report.record import ARMS, strict_json
 
 # ---- rendering -------------------------------------------------------------------------------
 
@@ -264,6 +263,6 @@ def write_outputs(report: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     png = plot(report, out_dir / "comparison.png")
     report["files"] = {"markdown": "comparison.md", "plot": png.name if png else None}
-    (out_dir / "comparison.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out_dir / "comparison.json").write_text(strict_json(report) + "\n")  # no NaN: strict JSON
     (out_dir / "comparison.md").write_text(render(report))
     return [out_dir / "comparison.json", out_dir / "comparison.md"] + ([png] if png else [])
