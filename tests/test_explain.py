@@ -97,9 +97,9 @@ def profiled_trace(step: Step, steps: int, path: Path) -> Path:
     return path
 
 
-def arm_record(tmp_path: Path, arm: str, step: Step, steps: int = 5) -> dict:
+def arm_record(tmp_path: Path, arm: str, step: Step, steps: int = 5, repeat: int = 0) -> dict:
     """A run's record whose arm dir holds a real explain/ trace, as the trainer leaves it."""
-    arm_dir = tmp_path / arm
+    arm_dir = tmp_path / f"{arm}-r{repeat}"
     profiled_trace(step, steps, arm_dir / "explain" / "trace_rank0.json")
     (arm_dir / "explain" / "steps.json").write_text(json.dumps({"steps": steps}))
     return {"arm": arm, "arm_dir": str(arm_dir), "status": "ok",
@@ -171,9 +171,12 @@ def test_a_planted_elementwise_pass_is_that_category(tmp_path):
 
 
 def test_an_a_a_pair_moves_no_category_beyond_its_noise(tmp_path):
-    base = arm_record(tmp_path, "base", Step(**CPU_SIZES), steps=7)
-    feat = arm_record(tmp_path, "feat", Step(**CPU_SIZES), steps=7)
-    section = explain.explain_group([base, feat])
+    """Two interleaved runs per arm, as `-m repeat=0,1 arm=base,feat` runs them: the noise
+    then holds the run-to-run spread of this shared machine, not only the per-step one."""
+    records = [arm_record(tmp_path, arm, Step(**CPU_SIZES), steps=5, repeat=r)
+               for r in (0, 1) for arm in ("base", "feat")]  # fmt: skip
+    section = explain.explain_group(records)
+    assert section["arms"]["base"]["runs"] == 2
     moved = [r["label"] for r in section["categories"] if r["beyond_noise"]]
     assert moved == [], section["categories"]
 
