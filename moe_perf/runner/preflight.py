@@ -12,13 +12,16 @@ change; the command prints it without a traceback and launches nothing. Three ki
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from moe_perf import frameworks, launchers
-from moe_perf.common.config import model_problems
+from moe_perf.common import memory
+from moe_perf.common.config import config_from_dict, model_problems
 from moe_perf.common.corpus import CorpusError, check_corpus
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.common.mesh import MeshError
@@ -81,6 +84,111 @@ def check_trainer(cfg: Any, repo: Path) -> None:
     frameworks.get(cfg).check(cfg, repo)
 
 
+TRAINER_SECTIONS = ("model", "mesh", "dtype", "training", "data", "trainer")
+
+
+def device_memory(cfg: Any) -> tuple[str, float, str] | None:
+    """(device type, GiB one rank may use, where that figure comes from) for this run: the
+    `mesh.device_memory_gib` override, else the smallest GPU nvidia-smi lists (when the run
+    uses GPUs), else this host's RAM shared by its ranks; None when unknown."""
+    wanted = str(cfg.training.device)
+    gpus = []
+    if wanted != "cpu" and shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+        try:
+            out = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout
+            gpus = [float(line) / 1024 for line in out.split() if line.strip()]  # MiB
+        except (OSError, ValueError, subprocess.SubprocessError):
+            gpus = []
+    device = "cuda" if gpus or wanted == "cuda" else "cpu"
+    if cfg.mesh.device_memory_gib is not None:
+        return device, float(cfg.mesh.device_memory_gib), "mesh.device_memory_gib"
+    if gpus:
+        return device, min(gpus), f"{len(gpus)} GPU(s) of this host (nvidia-smi)"
+    if device == "cpu":
+        try:
+            total_kib = next(
+                int(line.split()[1])
+                for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith("MemTotal:")
+            )
+        except (OSError, StopIteration, ValueError):
+            return None
+        ranks = int(cfg.mesh.nproc_per_node)
+        return device, total_kib / 2**20 / ranks, f"this host's RAM / {ranks} rank(s)"
+    return None
+
+
+def fitting_overrides(trainer_cfg, device: str, capacity_gib: float) -> list[str]:
+    """Single changes that bring the estimate under `capacity_gib`."""
+    import dataclasses
+
+    def fits(**changes) -> bool:
+        c = trainer_cfg
+        for section, values in changes.items():
+            c = dataclasses.replace(
+                c, **{section: dataclasses.replace(getattr(c, section), **values)}
+            )
+        return memory.estimate(c, device).gib() <= capacity_gib
+
+    dims, m, t = trainer_cfg.mesh_dims, trainer_cfg.model, trainer_cfg.training
+    found = []
+    for ep in (e for e in range(dims.ep + 1, dims.dp_cp + 1) if dims.dp_cp % e == 0):
+        if m.num_experts % ep == 0 and fits(mesh={"ep": ep}):
+            found.append(f"mesh.ep={ep}")
+            break
+    for pp in (p for p in range(dims.pp + 1, dims.world + 1) if dims.world % p == 0):
+        if (dims.world // pp) % dims.ep == 0 and fits(mesh={"pp": pp}):
+            found.append(f"mesh.pp={pp}")
+            break
+    if dims.world == 1:
+        for n in (2, 4, 8):
+            if m.num_experts % n == 0 and fits(mesh={"nproc_per_node": n, "ep": n}):
+                found.append(f"mesh.nproc_per_node={n} mesh.ep={n} (on {n} devices)")
+                break
+    layers = [n for n in range(m.num_layers - 1, 0, -1)
+              if n >= m.dense_layers and fits(model={"num_layers": n})]  # fmt: skip
+    if layers:
+        found.append(f"model.num_layers={layers[0]}")
+    for mb in range(t.micro_batch - 1, 0, -1):
+        if (t.global_batch // dims.dp) % mb == 0 and fits(training={"micro_batch": mb}):
+            found.append(f"training.micro_batch={mb}")
+            break
+    if trainer_cfg.trainer.activation_checkpointing == "none":
+        if fits(trainer={"activation_checkpointing": "full"}):
+            found.append("trainer.activation_checkpointing=full")
+    return found
+
+
+def check_memory(cfg: Any, submitting: bool = False) -> None:
+    """The reference trainer's estimated peak per rank against the device's memory: refused
+    when it is over (the estimate is within about 15% of measured peaks, tests/test_memory.py)."""
+    if str(cfg.trainer.name) != "reference":
+        return
+    if submitting and cfg.mesh.device_memory_gib is None:
+        return  # the job checks the host it runs on
+    known = device_memory(cfg)
+    if known is None:
+        return
+    device, capacity, source = known
+    sections = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in TRAINER_SECTIONS}
+    trainer_cfg = config_from_dict(sections)
+    peak = memory.estimate(trainer_cfg, device)
+    if peak.gib() <= capacity:
+        return
+    fixes = fitting_overrides(trainer_cfg, device, capacity)
+    would = (
+        f"would fit: {', '.join(fixes)}"
+        if fixes
+        else "no single change of ep, pp, layers, micro-batch or checkpointing fits"
+    )
+    raise PrerequisiteError(
+        f"out of memory before it starts: {cfg.model.name} {cfg.tag} needs about "
+        f"{peak.breakdown()} but a {device} rank has {capacity:.1f} GiB ({source}); {would}; "
+        f"set mesh.device_memory_gib=<GiB> when the arms run on other devices"
+    )
+
+
 def corpus_root(cfg: Any, repo: Path) -> Path:
     """data.root, absolute: a relative root is relative to the repository."""
     root = Path(str(cfg.data.root)).expanduser()
@@ -105,6 +213,7 @@ def check_job(cfg: Any, repo: Path, *, submitting: bool = False) -> None:
     check_config(cfg)
     check_launcher(cfg, submitting)
     check_trainer(cfg, repo)
+    check_memory(cfg, submitting)
     check_data(cfg, repo)
 
 

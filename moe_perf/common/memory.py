@@ -1,0 +1,158 @@
+"""Peak memory of one rank of the reference trainer, estimated from its config before launch.
+
+What one rank holds (moe_perf/trainer: fp32 parameters, FSDP2 over dp*cp for everything but the
+experts, experts sliced by ep and sharded over edp = dp*cp/ep, fused AdamW with two fp32
+states, gradients set to None between steps):
+
+* weights      4 B per local parameter (fp32 masters), plus bf16 copies where autocast or the
+               experts' cast keeps them for backward (parameters outside FSDP), or one layer's
+               all-gathered bf16 parameters (inside FSDP);
+* gradients    4 B per local parameter;
+* optimizer    8 B per local parameter (AdamW exp_avg and exp_avg_sq);
+* activations  what autograd saves per layer and micro-batch (`layer_activation_bytes`), for
+               the micro-batches in flight (1; under pp > 1 up to pp for 1F1B, all for GPipe);
+               with activation checkpointing only each block's input, plus one layer
+               recomputed;
+* logits       the head's output, its fp32 upcast, log-softmax and their gradients, at the
+               micro-batch, on the last pipeline stage;
+* runtime      what the process holds besides tensors: Python with torch loaded on a CPU (its
+               RSS), the CUDA context and library workspaces on a GPU.
+
+Peak: gradients and activations overlap in backward; with one micro-batch the gradients grow
+as the activations are freed (the larger of the two counts), with several the first
+micro-batch's gradients stay while the next runs (both count). The worst pipeline stage is
+the one reported. Checked against measured peaks in tests/test_memory.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moe_perf.common.config import Config, ModelConfig
+
+GIB = 2**30
+RUNTIME_BYTES = {"cpu": 0.35 * GIB, "cuda": 1.0 * GIB}
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameter counts of one decoder layer, split by how they are sharded."""
+
+    dense: int  # attention, norms, router, shared or dense FFN: FSDP over dp*cp
+    experts: int  # routed experts, all of them: sliced by ep, FSDP over edp
+
+
+def layer_params(m: ModelConfig, layer: int) -> LayerParams:
+    vd = m.v_head_dim or m.head_dim
+    attention = m.hidden * (m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + vd))
+    attention += m.num_heads * vd * m.hidden + 2 * m.hidden + (2 * m.head_dim if m.qk_norm else 0)
+    if layer < m.dense_layers:
+        return LayerParams(attention + 3 * m.hidden * m.dense_ffn, 0)
+    shared = 3 * m.hidden * m.num_shared_experts * m.shared_expert_ffn
+    shared += m.hidden if m.shared_expert_gate and shared else 0
+    router = m.hidden * m.num_experts + (m.num_experts if m.router_bias else 0)
+    return LayerParams(attention + router + shared, 3 * m.num_experts * m.hidden * m.expert_ffn)
+
+
+def layer_activation_bytes(m: ModelConfig, layer: int, tokens: int, b: int) -> int:
+    """Bytes autograd saves for one layer's backward at `tokens` tokens per rank; `b` = bytes
+    of the compute dtype. The residual stream and norms are fp32 (the parameters are)."""
+    T, D, vd = tokens, m.hidden, m.v_head_dim or m.head_dim
+    qkv = m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + vd)
+    rot = m.head_dim * m.rope_fraction
+    # attention: residual in, norm out and its cast; q/k/v out, after QK-norm, after RoPE (with
+    # its fp32 halves); SDPA's output and log-sum-exp; wo's input and output
+    attn = 4 * T * D * 2 + b * T * D + b * T * qkv * (3 if m.qk_norm else 2)
+    attn += 4 * T * (m.num_heads + m.num_kv_heads) * rot + 4 * T * m.num_heads
+    attn += 2 * b * T * m.num_heads * vd + b * T * D
+    ffn_in = 4 * T * D * 2 + b * T * D  # residual, norm out, cast
+    if layer < m.dense_layers:
+        return attn + ffn_in + 4 * b * T * m.dense_ffn + b * T * D
+    N, F = T * m.top_k, m.expert_ffn
+    router = 2 * 4 * T * m.num_experts + 12 * T * m.top_k  # fp32 logits, scores; ids, weights
+    # routed: permuted rows (fp32 and their cast), w1 and w3 out, SwiGLU's two intermediates,
+    # w2 out, combined rows and their weighted product
+    routed = (4 + b) * N * D + 4 * b * N * F + b * N * D + 2 * b * N * D
+    shared_ffn = m.num_shared_experts * m.shared_expert_ffn
+    shared = 4 * b * T * shared_ffn + b * T * D if shared_ffn else 0
+    return attn + ffn_in + router + routed + shared
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logits: float
+    runtime: float
+    overlap: bool  # gradients and activations both at their peak (several micro-batches)
+
+    @property
+    def total(self) -> float:
+        dynamic = self.gradients + self.activations + self.logits
+        if not self.overlap:
+            dynamic = max(self.gradients, self.activations + self.logits)
+        return self.weights + self.optimizer + dynamic + self.runtime
+
+    def gib(self) -> float:
+        return self.total / GIB
+
+    def breakdown(self) -> str:
+        parts = ("weights", "gradients", "optimizer", "activations", "logits", "runtime")
+        shown = ", ".join(f"{p} {getattr(self, p) / GIB:.1f}" for p in parts)
+        return f"{self.gib():.1f} GiB per rank ({shown} GiB)"
+
+
+def estimate(cfg: Config, device: str) -> MemoryEstimate:
+    """The worst rank's peak, in bytes, of the reference trainer with `cfg` on `device`
+    ("cpu" or "cuda")."""
+    m, t, dims = cfg.model, cfg.training, cfg.mesh_dims
+    b = 4 if cfg.dtype.name == "fp32" else 2
+    tokens = t.micro_batch * t.sequence_length // dims.cp
+    n_micro = t.global_batch // (dims.dp * t.micro_batch)
+    in_flight = 1
+    if dims.pp > 1:
+        in_flight = n_micro if cfg.trainer.pp_schedule == "GPipe" else min(n_micro, dims.pp)
+    fsdp = dims.dp_cp > 1
+    dense_shard = dims.dp_cp if fsdp else 1
+    expert_shard = dims.ep * (dims.edp if dims.edp > 1 else 1)
+
+    per_stage = math.ceil(m.num_layers / dims.pp)
+    stages = []
+    for first_stage, last_stage in ((True, dims.pp == 1), (False, True)):
+        if not first_stage and dims.pp == 1:
+            continue
+        start = 0 if first_stage else m.num_layers - per_stage
+        layers = range(start, min(start + per_stage, m.num_layers))
+        counts = [layer_params(m, i) for i in layers]
+        embedding = m.vocab_size * m.hidden if first_stage else 0  # a lookup: never cast
+        dense = sum(c.dense for c in counts) + embedding
+        dense += m.vocab_size * m.hidden + m.hidden if last_stage else 0
+        experts = sum(c.experts for c in counts)
+        local = dense / dense_shard + experts / expert_shard
+        # bf16 copies kept for backward: all of a part outside FSDP, else one gathered layer
+        copies = 0.0
+        if b == 2:
+            biggest = max((c.dense + c.experts / dims.ep for c in counts), default=0)
+            copies += 2 * (dense - embedding if not fsdp else 2 * biggest)
+            copies += 2 * experts / dims.ep if dims.edp == 1 else 0
+        saved = [layer_activation_bytes(m, i, tokens, b) for i in layers]
+        if cfg.trainer.activation_checkpointing == "full":
+            acts = len(saved) * 4 * tokens * m.hidden * in_flight + max(saved, default=0)
+        else:
+            acts = sum(saved) * in_flight
+        logits = (b + 12) * tokens * m.vocab_size if last_stage else 0
+        stages.append(
+            MemoryEstimate(
+                weights=4 * local + copies,
+                gradients=4 * local,
+                optimizer=8 * local,
+                activations=acts,
+                logits=logits,
+                runtime=RUNTIME_BYTES[device],
+                overlap=n_micro > 1,
+            )
+        )
+    return max(stages, key=lambda e: e.total)

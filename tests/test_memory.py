@@ -1,0 +1,105 @@
+"""The memory pre-flight: the estimate (moe_perf/common/memory.py) against the peaks the real
+trainer reports on CPU (fp32, one process: its RSS), and a run that cannot fit refused before
+launch with the overrides that would fit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import moe_perf
+
+from moe_perf.common import contract, memory
+from moe_perf.common.config import config_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.20  # measured on an AMD EPYC (2 cores): -4% and +12% for the two cases below
+
+CASES = {
+    # weights, gradients and AdamW states dominate: 64 experts, a few tokens
+    "weights": (
+        {"vocab_size": 2048, "hidden": 256, "num_layers": 2, "num_experts": 64, "top_k": 2,
+         "expert_ffn": 512, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64},
+        {"sequence_length": 64, "global_batch": 2},
+    ),
+    # activations and logits dominate: 4096 tokens in one micro-batch
+    "activations": (
+        {"vocab_size": 8192, "hidden": 128, "num_layers": 2, "num_experts": 8, "top_k": 4,
+         "expert_ffn": 256, "num_heads": 4, "num_kv_heads": 2, "head_dim": 32},
+        {"sequence_length": 512, "global_batch": 8, "micro_batch": 8},
+    ),
+}  # fmt: skip
+
+
+def trainer_config(model: dict, training: dict) -> dict:
+    preset = yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text())
+    preset.pop("defaults", None)
+    return {
+        "model": {**preset, **model},
+        "dtype": {"name": "fp32"},
+        "training": {"device": "cpu", "max_steps": 2, **training},
+        "trainer": {"name": "reference"},
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_estimate_matches_the_measured_peak_on_cpu(tmp_path, case):
+    raw = trainer_config(*CASES[case])
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    proc = subprocess.run(
+        [sys.executable, "-m", "moe_perf.trainer", str(path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    steps = [s for s in map(contract.parse_step, proc.stdout.splitlines()) if s]
+    measured = max(s["peak_mem_gib"] for s in steps)  # the process's max RSS on CPU
+    estimated = memory.estimate(config_from_dict(raw), "cpu")
+    assert measured > 0.9, "a case too small to test the estimate"
+    assert abs(estimated.gib() / measured - 1) <= TOLERANCE, (estimated.breakdown(), measured)
+
+
+def test_the_parts_follow_the_mesh_and_checkpointing():
+    raw = trainer_config(*CASES["weights"])
+    single = memory.estimate(config_from_dict(raw), "cuda")
+    ep4 = memory.estimate(config_from_dict({**raw, "mesh": {"nproc_per_node": 4, "ep": 4}}), "cuda")
+    assert ep4.optimizer < single.optimizer / 3  # experts split 4 ways, the rest FSDP over 4
+    model, training = CASES["activations"]
+    acts = trainer_config({**model, "num_layers": 8}, training)
+    full = {**acts, "trainer": {"activation_checkpointing": "full"}}
+    saved = memory.estimate(config_from_dict(acts), "cpu").activations
+    assert memory.estimate(config_from_dict(full), "cpu").activations < saved / 4
+
+
+def host_ram_gib() -> float:
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if "MemTotal" in x)
+    return int(line.split()[1]) / 2**20
+
+
+@pytest.mark.skipif(host_ram_gib() > 400, reason="a host with RAM for the 30B model")
+def test_a_model_that_cannot_fit_is_refused_with_what_would(repo):
+    result = moe_perf(repo, "model=qwen3-30b-a3b", "mesh=single", "training.device=cpu",
+                      "wandb.mode=disabled")  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if "cannot run" in x]
+    assert "out of memory before it starts: qwen3-30b-a3b" in line
+    assert "GiB per rank (weights" in line and "this host's RAM" in line
+    assert "Traceback" not in result.stderr
+    assert not (repo / "outputs" / "validate-performance").exists()
+
+
+def test_the_overrides_that_would_fit_are_named(repo):
+    result = moe_perf(repo, "model=gpt-oss-120b", "model.num_layers=4",
+                      "mesh.device_memory_gib=139", "wandb.mode=disabled")  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = next(x for x in result.stderr.splitlines() if "cannot run" in x)
+    assert "139.0 GiB (mesh.device_memory_gib)" in line
+    assert "would fit: mesh.nproc_per_node=2 mesh.ep=2 (on 2 devices), model.num_layers=2" in line
+    ok = moe_perf(repo, "model=gpt-oss-120b", "model.num_layers=1", "mesh.device_memory_gib=139",
+                  "wandb.mode=disabled", "dry_run=true")  # fmt: skip
+    assert ok.returncode == 0, ok.stdout + ok.stderr
