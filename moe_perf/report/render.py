@@ -168,6 +168,11 @@ _ARM_COLOURS = {"base": "tab:blue", "feat": "tab:orange"}  # neutral: no good/ba
 _REPEAT_MARKERS = "os^Dv<>PX*"
 
 
+def _figure(value: float) -> str:
+    """`45,480` or `0.2208`: whole numbers above a thousand, four significant digits below."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def _arm_colour(arm: str) -> str:
     return _ARM_COLOURS.get(arm, "tab:gray")
 
@@ -204,6 +209,7 @@ def _draw_steps(ax, group: dict) -> None:
         if arm["runs_ok"] > 1:
             ax.axhspan(stat["min"], stat["max"], color=colour, alpha=0.15,
                        label=f"{name} spread of {arm['runs_ok']} runs")  # fmt: skip
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     ax.set_xlabel("step (step 1 not shown: warm-up)")
     ax.set_ylabel("step time (s)")
     ax.grid(alpha=0.3)
@@ -218,7 +224,7 @@ def _draw_per_arm(ax, group: dict, key: str, label: str) -> None:
         stat = arm.get(key)
         if stat:
             ax.bar(i, stat["median"], color=colour, alpha=0.45, width=0.6)
-            ax.text(i, stat["median"] / 2, f"{stat['median']:,.4g}", ha="center", va="center",
+            ax.text(i, stat["median"] / 2, _figure(stat["median"]), ha="center", va="center",
                     fontsize=7)  # fmt: skip
         else:
             ax.text(i, 0, "failed" if arm["runs_failed"] else "-", ha="center", va="bottom",
