@@ -12,6 +12,7 @@ change; the command prints it without a traceback and launches nothing. Three ki
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 from pathlib import Path
@@ -121,7 +122,6 @@ def device_memory(cfg: Any) -> tuple[str, float, str] | None:
 
 def fitting_overrides(trainer_cfg, device: str, capacity_gib: float) -> list[str]:
     """Single changes that bring the estimate under `capacity_gib`."""
-    import dataclasses
 
     def fits(**changes) -> bool:
         c = trainer_cfg
