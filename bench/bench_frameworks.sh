@@ -65,7 +65,7 @@ echo "plant: ${PLANT_MS} ms = ${CYCLES} spin cycles per step, in torchtitan/trai
 
 SHAPES=(model=qwen3-30b-a3b model.num_layers=4 mesh=single training.sequence_length=2048
         training.global_batch=32 "training.max_steps=$STEPS" training.benchmark=true
-        trainer.compile=true wandb.mode=disabled timeout_s=900)
+        training.micro_batch=16 trainer.compile=true wandb.mode=disabled timeout_s=900)
 
 sweep() {  # name, overrides...
   local name=$1; shift
@@ -78,4 +78,4 @@ sweep titan_aa trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=main
 sweep titan_planted trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=planted
 # the reference trainer on the same shapes (micro-batch 16, its fastest on one H200); its code
 # is not in this repository, so both arms run the installed moe_perf trainer (an A/A)
-sweep reference trainer=reference "${SHAPES[@]}" training.micro_batch=16 refs.base=main refs.feat=main
+sweep reference trainer=reference "${SHAPES[@]}" refs.base=main refs.feat=main

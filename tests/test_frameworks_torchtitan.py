@@ -98,9 +98,11 @@ def test_every_preset_command_is_accepted_by_torchtitans_own_parser(model, mesh,
     assert (p.data_parallel_shard_degree, p.tensor_parallel_degree) == (-1, 1)
     assert (job.training.seq_len, job.training.steps) == (t.sequence_length, t.max_steps)
     assert job.training.global_batch_size == t.global_batch
-    assert job.training.local_batch_size == t.global_batch // dp
-    if m.pp > 1:
+    if m.pp > 1:  # the rank's share of the step, split by the schedule into micro-batches
+        assert job.training.local_batch_size == t.global_batch // dp
         assert p.pipeline_parallel_microbatch_size == t.micro_batch
+    else:  # torchtitan accumulates gradients over global / (local * dp) passes
+        assert job.training.local_batch_size == t.micro_batch
     assert job.debug.moe_force_load_balance is True and job.debug.seed == t.seed
     assert job.metrics.log_freq == 1 and job.checkpoint.enable is False
     assert job.model.name == MODELS[model].name

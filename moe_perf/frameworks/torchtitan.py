@@ -122,6 +122,19 @@ def parallelism_flags(cfg: Any) -> list[str]:
     return flags
 
 
+def local_batch_size(cfg: Any, dp: int) -> int:
+    """torchtitan's sequences per rank and forward/backward pass.
+
+    Without pipeline parallelism that is our micro-batch: torchtitan accumulates gradients over
+    global_batch / (local_batch_size * dp) passes, as the reference trainer does over its
+    micro-batches. Under pp the local batch is the rank's whole share of the step, which the
+    schedule splits into `pipeline_parallel_microbatch_size` pieces.
+    """
+    if int(cfg.mesh.pp) > 1:
+        return int(cfg.training.global_batch) // dp
+    return int(cfg.training.micro_batch)
+
+
 def training_flags(cfg: Any) -> list[str]:
     t = cfg.training
     m = cfg.mesh
@@ -129,8 +142,7 @@ def training_flags(cfg: Any) -> list[str]:
     flags = [
         "--training.seq_len", str(t.sequence_length),
         "--training.global_batch_size", str(t.global_batch),
-        # sequences per data-parallel rank and step: no gradient accumulation
-        "--training.local_batch_size", str(int(t.global_batch) // dp),
+        "--training.local_batch_size", str(local_batch_size(cfg, dp)),
         "--training.steps", str(t.max_steps),
         "--training.mixed_precision_param", "float32" if cfg.dtype.name == "fp32" else "bfloat16",
         "--debug.seed", str(t.seed),
