@@ -27,6 +27,7 @@ from moe_perf.report.logformats import RunShape
 from moe_perf.report.sweep import Sweep
 from moe_perf.runner import dryrun, git, outputs, preflight
 from moe_perf.runner.job import Job, repeat_suffix, say, standalone_job
+from moe_perf.runner.progress import RankThreads, arm_count, starting_line
 from moe_perf.runner.session import SweepSession
 
 
@@ -62,8 +63,10 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str) -> LaunchRes
     arm = str(cfg.arm.name)
     config_path = job.arm_dir / "config.yaml"
     launcher = launchers.get(cfg)
+    threads = RankThreads.for_launch(int(cfg.mesh.nproc_per_node))
     with git.worktree(sweep.repo, sweep.shas[arm], label) as worktree:
         trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
+        say(starting_line(label, threads, bool(cfg.trainer.get("compile", False))))
         return run_trainer(
             launcher.argv(cfg, job.arm_dir, trainer.argv),
             cwd=worktree,
@@ -72,7 +75,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str) -> LaunchRes
             timeout_s=float(cfg.timeout_s),
             kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
             max_steps=int(cfg.training.max_steps),
-            env=trainer.env,
+            env={**threads.env, **trainer.env},
             failure_reason=launcher.failure_reason,
             log_format=trainer.log_format,
             shape=RunShape.of_config(cfg),
@@ -137,8 +140,9 @@ def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep) -> dict:
         (job.arm_dir / "console.log").write_text(f"not launched: {mismatch}\n")
         result = LaunchResult(exit_code=None, failure=mismatch)
     else:
-        say(f"{label}: {sweep.refs[cfg.arm.name]} @ {sweep.shas[cfg.arm.name][:10]}, "
-            f"{cfg.model.name} {cfg.tag} -> {job.arm_dir}")  # fmt: skip
+        arm = cfg.arm.name
+        say(f"{arm_count(job.num, job.total)}: {label}: {sweep.refs[arm]} @ "
+            f"{sweep.shas[arm][:10]}, {cfg.model.name} {cfg.tag} -> {job.arm_dir}")  # fmt: skip
         try:
             result = launch_arm(cfg, job, sweep, label)
         except KeyboardInterrupt:
