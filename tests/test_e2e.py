@@ -203,7 +203,7 @@ def copy_of_moe_perf(path: Path) -> Path:
     return make_repo(path, files)
 
 
-PLANT_AT = "        optimizer.step()\n"
+PLANT_AT = "    optimizer.step()\n"  # in train.train_step
 
 
 def test_reference_trainer_runs_each_arms_own_code(tmp_path):
@@ -212,7 +212,7 @@ def test_reference_trainer_runs_each_arms_own_code(tmp_path):
     text = train.read_text()
     assert text.count(PLANT_AT) == 1, "the planted slowdown needs a new anchor in train.py"
     git(repo, "checkout", "-q", "-b", "slower-step")
-    train.write_text(text.replace(PLANT_AT, PLANT_AT + "        time.sleep(0.25)\n"))
+    train.write_text(text.replace(PLANT_AT, PLANT_AT + "    time.sleep(0.25)\n"))
     git(repo, "commit", "-q", "-am", "plant a 0.25 s sleep in every training step")
 
     # run from outside the copy: the runner is the installed one, each arm's trainer its own
