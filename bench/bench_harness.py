@@ -157,7 +157,8 @@ def _planted_delay(seconds: float) -> None:  # planted by bench/bench_harness.py
 
 
 """
-TOP_LEVEL_DEF_RE = re.compile(r"^(def|class) ", re.MULTILINE)
+# a top-level definition, its decorators included (the delay goes before the first one)
+TOP_LEVEL_DEF_RE = re.compile(r"^(@|def |class )", re.MULTILINE)
 
 
 def plant_slowdown(text: str, delay_s: float, slowdown: float) -> tuple[str, int]:
