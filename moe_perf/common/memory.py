@@ -43,10 +43,18 @@ class LayerParams:
     experts: int  # routed experts, all of them: sliced by ep, FSDP over edp
 
 
+def attention_params(m: ModelConfig) -> int:
+    """Weights of the q, k, v and o projections of one layer (also the FLOP model's count)."""
+    v_dim = m.v_head_dim or m.head_dim
+    return (
+        m.hidden * (m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + v_dim))
+        + m.num_heads * v_dim * m.hidden
+    )
+
+
 def layer_params(m: ModelConfig, layer: int) -> LayerParams:
-    vd = m.v_head_dim or m.head_dim
-    attention = m.hidden * (m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + vd))
-    attention += m.num_heads * vd * m.hidden + 2 * m.hidden + (2 * m.head_dim if m.qk_norm else 0)
+    # the projections, the two RMSNorms and, with QK-norm, its two head_dim weights
+    attention = attention_params(m) + 2 * m.hidden + (2 * m.head_dim if m.qk_norm else 0)
     if layer < m.dense_layers:
         return LayerParams(attention + 3 * m.hidden * m.dense_ffn, 0)
     shared = 3 * m.hidden * m.num_shared_experts * m.shared_expert_ffn

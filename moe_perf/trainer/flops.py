@@ -23,6 +23,7 @@ dense bf16 peak of the GPU; None on CPU, unknown GPUs and fp8 (no single peak fo
 from __future__ import annotations
 
 from moe_perf.common.config import ModelConfig
+from moe_perf.common.memory import attention_params
 
 # Dense (no sparsity) bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets.
 PEAK_BF16_FLOPS = (
@@ -31,15 +32,6 @@ PEAK_BF16_FLOPS = (
     ("H100", 989.5e12),  # SXM
     ("A100", 312.0e12),
 )
-
-
-def attention_params(m: ModelConfig) -> int:
-    """Weights of the q, k, v and o projections of one layer."""
-    v_dim = m.v_head_dim or m.head_dim
-    return (
-        m.hidden * (m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + v_dim))
-        + m.num_heads * v_dim * m.hidden
-    )
 
 
 def ffn_params_per_token(m: ModelConfig, layer_id: int) -> int:
