@@ -9,19 +9,24 @@ states, gradients set to None between steps):
                all-gathered bf16 parameters (inside FSDP);
 * gradients    4 B per local parameter;
 * optimizer    8 B per local parameter (AdamW exp_avg and exp_avg_sq);
-* activations  what autograd saves per layer and micro-batch (`layer_activation_bytes`), for
-               the micro-batches in flight (1; under pp > 1 up to pp for 1F1B, all for GPipe);
+* activations  what autograd saves per layer and micro-batch (`layer_activation_bytes`:
+               eager, or what a compiled block's graphs keep, a smaller set), for the
+               micro-batches in flight (1; under pp > 1 up to pp for 1F1B, all for GPipe);
                with activation checkpointing only each block's input, plus one layer
                recomputed;
-* logits       the head's output, its fp32 upcast, log-softmax and their gradients, at the
-               micro-batch, on the last pipeline stage;
+* logits       the [tokens x vocab] tensors alive at the loss's backward (`logits_bytes`: three
+               fp32 ones eager, two in the compute dtype compiled), on the last pipeline stage;
 * runtime      what the process holds besides tensors: Python with torch loaded on a CPU (its
                RSS), the CUDA context and library workspaces on a GPU.
 
 Peak: gradients and activations overlap in backward; with one micro-batch the gradients grow
 as the activations are freed (the larger of the two counts), with several the first
 micro-batch's gradients stay while the next runs (both count). The worst pipeline stage is
-the one reported. Checked against measured peaks in tests/test_memory.py.
+the one reported. The peak is of tensors (what torch's allocator counts as allocated, plus
+`runtime`); the caching allocator reserves more than that (on one H200 the reserved peaks of
+the bench configs were 1-3% above this estimate at micro-batch 8, 8-13% at micro-batch 16).
+Checked against measured peaks on CPU in tests/test_memory.py and on the GPU by
+bench/bench_memory.py.
 """
 
 from __future__ import annotations
@@ -63,9 +68,14 @@ def layer_params(m: ModelConfig, layer: int) -> LayerParams:
     return LayerParams(attention + router + shared, 3 * m.num_experts * m.hidden * m.expert_ffn)
 
 
-def layer_activation_bytes(m: ModelConfig, layer: int, tokens: int, b: int) -> int:
+def layer_activation_bytes(
+    m: ModelConfig, layer: int, tokens: int, b: int, compiled: bool = False
+) -> int:
     """Bytes autograd saves for one layer's backward at `tokens` tokens per rank; `b` = bytes
-    of the compute dtype. The residual stream and norms are fp32 (the parameters are)."""
+    of the compute dtype. The residual stream and the norms' outputs are fp32 (the parameters
+    are). `compiled`: the block under torch.compile, which saves a different set."""
+    if compiled:
+        return compiled_layer_bytes(m, layer, tokens, b)
     T, D, vd = tokens, m.hidden, m.v_head_dim or m.head_dim
     qkv = m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + vd)
     rot = m.head_dim * m.rope_fraction
@@ -87,6 +97,45 @@ def layer_activation_bytes(m: ModelConfig, layer: int, tokens: int, b: int) -> i
     return attn + ffn_in + router + routed + shared
 
 
+def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int) -> int:
+    """What a compiled block saves: the tensors AOTAutograd's partitioner keeps between the
+    forward and backward graphs (read off their signatures, TORCH_LOGS=aot_graphs, on a block
+    of qwen3-30b-a3b's proportions, of gpt-oss's and of deepseek-v2-lite's). It recomputes
+    the cheap elementwise work (norms, SwiGLU's pieces, casts, the fp32 gather of routed rows)
+    from the tensors below instead of keeping it, which is most of the saving over eager.
+    Assumes a fused SDPA kernel (flash/cuDNN: no S x S scores), as on the GPU."""
+    T, D, E, K = tokens, m.hidden, m.num_experts, m.top_k
+    H, G, d, vd = m.num_heads, m.num_kv_heads, m.head_dim, m.v_head_dim or m.head_dim
+    # attention: the fp32 residual in and after attention (the two norms' inputs), the first
+    # norm's cast, q/k/v as projected, q and k after QK-norm and RoPE (SDPA's inputs; without
+    # QK-norm only these, not the projected ones), SDPA's output and log-sum-exp, and wo's
+    # input (a contiguous copy of the output's transpose)
+    attn = 2 * 4 * T * D + b * T * D + b * T * (H * d + G * (d + vd))
+    attn += b * T * (H + G) * d if m.qk_norm else 0
+    attn += 2 * b * T * H * vd + 4 * T * H
+    if layer < m.dense_layers:
+        return attn + b * T * D + 3 * b * T * m.dense_ffn  # norm's cast; w1, w3, SwiGLU out
+    N, F = T * K, m.expert_ffn
+    # the norm's cast (the routed rows are gathered again from it in backward), fp32 scores,
+    # int64 ids and fp32 gating weights, the slots' sort order and its inverse (int64)
+    router = b * T * D + 4 * T * E + 12 * T * K + 16 * N
+    # routed rows in the compute dtype and w2's output; w1 and w3 out and SwiGLU's output
+    routed = 2 * b * N * D + 3 * b * N * F
+    shared = 3 * b * T * m.num_shared_experts * m.shared_expert_ffn
+    return attn + router + routed + shared
+
+
+def logits_bytes(m: ModelConfig, tokens: int, b: int, compiled: bool) -> int:
+    """The loss's peak at its backward, [tokens x vocab] tensors (model.cross_entropy).
+
+    Eager: the head's output is not kept (its fp32 upcast is a new tensor, and log-softmax
+    keeps its own output); in backward log-softmax's fp32 output, nll's fp32 gradient and
+    log-softmax's fp32 gradient are alive together: 12 B each. Compiled (train.py compiles the
+    loss with the blocks): upcast and log-softmax are fused, the graph keeps the head's output
+    in the compute dtype and its backward writes one gradient of that dtype: 2b."""
+    return (2 * b if compiled else 12) * tokens * m.vocab_size
+
+
 @dataclass(frozen=True)
 class MemoryEstimate:
     weights: float
@@ -104,6 +153,11 @@ class MemoryEstimate:
             dynamic = max(self.gradients, self.activations + self.logits)
         return self.weights + self.optimizer + dynamic + self.runtime
 
+    @property
+    def tensors(self) -> float:
+        """The peak less `runtime`: what torch's allocator reports as max allocated."""
+        return self.total - self.runtime
+
     def gib(self) -> float:
         return self.total / GIB
 
@@ -118,6 +172,7 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
     ("cpu" or "cuda")."""
     m, t, dims = cfg.model, cfg.training, cfg.mesh_dims
     b = 4 if cfg.dtype.name == "fp32" else 2
+    compiled = cfg.trainer.compile
     tokens = t.micro_batch * t.sequence_length // dims.cp
     n_micro = t.global_batch // (dims.dp * t.micro_batch)
     in_flight = 1
@@ -146,12 +201,12 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
             biggest = max((c.dense + c.experts / dims.ep for c in counts), default=0)
             copies += 2 * (dense - embedding if not fsdp else 2 * biggest)
             copies += 2 * experts / dims.ep if dims.edp == 1 else 0
-        saved = [layer_activation_bytes(m, i, tokens, b) for i in layers]
+        saved = [layer_activation_bytes(m, i, tokens, b, compiled) for i in layers]
         if cfg.trainer.activation_checkpointing == "full":
             acts = len(saved) * 4 * tokens * m.hidden * in_flight + max(saved, default=0)
         else:
             acts = sum(saved) * in_flight
-        logits = (b + 12) * tokens * m.vocab_size if last_stage else 0
+        logits = logits_bytes(m, tokens, b, compiled) if last_stage else 0
         stages.append(
             MemoryEstimate(
                 weights=4 * local + copies,

@@ -160,15 +160,17 @@ def fitting_overrides(trainer_cfg, device: str, capacity_gib: float) -> list[str
     return found
 
 
-# Refused only when the estimate is clearly over: on CPU it is within about 15% of measured
-# peaks (tests/test_memory.py), but on one H200 the 4-layer qwen3-30b-a3b bench config (micro-batch
-# 16, compiled) was estimated at 161 GiB and peaked at 102.5 GiB (compiled code saves less).
-CLEARLY_OVER = 1.6
+# Refused only when the estimate is clearly over the device. Measured against it: on CPU
+# (eager, fp32) the peaks were 4% above and 1.5% below the estimate (tests/test_memory.py); on
+# one H200 (compiled, bf16) the reserved peaks of the bench configs 1-13% above it. An estimate
+# 10% over the device is then a run that does not fit; nearer, the run is left to try.
+CLEARLY_OVER = 1.1
 
 
 def check_memory(cfg: Any, submitting: bool = False) -> None:
     """The reference trainer's estimated peak per rank against the device's memory: refused
-    when it is over (the estimate is within about 15% of measured peaks, tests/test_memory.py)."""
+    when it is more than CLEARLY_OVER times the device, naming single changes that bring it
+    under the device."""
     if str(cfg.trainer.name) != "reference":
         return
     if submitting and cfg.mesh.device_memory_gib is None:
