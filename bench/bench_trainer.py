@@ -9,60 +9,70 @@
 Defaults (docs/benchmarks.md): 4 of qwen3-30b-a3b's 48 layers (fits one H200 with fp32 AdamW
 state), global batch 32 x 2048 tokens in micro-batches of 16, blocks and loss compiled.
 
-Writes a resolved config (the model's conf/model/*.yaml with the layer count cut, forced
-balance on) into --out, runs the real trainer on it (`torchrun --nproc-per-node 1 -m
-moe_perf.trainer`, or plain `python -m` with --launcher python: no process group, no FSDP),
-and prints tokens/s, TFLOP/s, MFU and peak memory: medians over the steps after the first
-(peak memory: the maximum). FLOP formula: moe_perf/trainer/flops.py (causal attention half).
+Composes the run's config from conf/ with Hydra's compose API, as the runner composes an arm's
+(the model's preset with the layer count cut, mesh=single, forced balance on), writes it
+resolved into --out, runs the real trainer on it (`torchrun --nproc-per-node 1 -m
+moe_perf.trainer`, or plain `python -m` with --launcher python: no process group, no FSDP)
+through the runner's launch code, and prints tokens/s, TFLOP/s, MFU and peak memory: the
+runner's summary of the steps before the profiled ones (step 1 dropped, medians, peak memory
+the maximum). FLOP formula: moe_perf/trainer/flops.py (causal attention half).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from moe_perf.common import contract  # noqa: E402
+import profile_summary  # noqa: E402  (bench/)
+
+from moe_perf.launchers.process import run_trainer  # noqa: E402
+from moe_perf.report.record import summarize  # noqa: E402
+from moe_perf.runner import schema  # noqa: E402
+
+TIMEOUT_S = 4 * 3600.0  # the trainer is stopped past this (SIGTERM, SIGKILL 30 s later)
 
 
-def make_config(args) -> dict:
-    model = yaml.safe_load((ROOT / "conf" / "model" / f"{args.model}.yaml").read_text())
+def config_overrides(args) -> list[str]:
+    """The command-line options as overrides of conf/config.yaml; --set ones last (they win)."""
+    overrides = [
+        f"model={args.model}",
+        "mesh=single",
+        f"dtype={args.dtype}",
+        f"trainer.compile={str(not args.eager).lower()}",
+        f"training.sequence_length={args.seq}",
+        f"training.global_batch={args.global_batch}",
+        f"training.micro_batch={args.micro_batch}",
+        f"training.max_steps={args.steps + args.profile}",  # profiled steps come last
+        f"training.device={args.device}",
+        f"data.root={ROOT / 'workspace' / 'datasets'}",
+    ]
     if args.layers:
-        model["num_layers"] = args.layers
-        model["dense_layers"] = min(model.get("dense_layers", 0), args.layers)
-    trainer = yaml.safe_load((ROOT / "conf" / "trainer" / "reference.yaml").read_text())
-    trainer["compile"] = not args.eager
-    return {
-        "model": model,
-        "mesh": {"nnodes": 1, "nproc_per_node": 1, "pp": 1, "cp": 1, "ep": 1},
-        "dtype": {"name": args.dtype, "fp8": args.dtype == "fp8"},
-        "training": {
-            "sequence_length": args.seq,
-            "global_batch": args.global_batch,
-            "micro_batch": args.micro_batch,
-            "max_steps": args.steps + args.profile,  # profiled steps come last
-            "benchmark": True,
-            "seed": 1234,
-            "lr": 3e-4,
-            "device": args.device,
-        },
-        "data": {"corpus": None, "root": str(ROOT / "workspace" / "datasets")},
-        "trainer": trainer,
-    }
+        overrides.append(f"model.num_layers={args.layers}")
+    return [*overrides, *args.set]
 
 
-def main() -> int:
+def trainer_config(overrides: list[str]) -> dict:
+    """conf/config.yaml composed with `overrides` and resolved: the file the trainer reads (no
+    `hydra` section). A cut layer count keeps at most that many leading dense layers."""
+    schema.register()  # the typed schema and the resolvers conf/ uses
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        config = OmegaConf.to_container(compose("config", overrides=overrides), resolve=True)
+    model = config["model"]
+    model["dense_layers"] = min(model["dense_layers"], model["num_layers"])
+    return config
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, default=4, help="cut the layer count to fit one GPU")
@@ -79,7 +89,7 @@ def main() -> int:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="extra config overrides passed to the trainer",
+        help="extra overrides of conf/config.yaml (as `python -m moe_perf` takes them)",
     )
     p.add_argument("--out", default=str(ROOT / "outputs" / "bench"))
     p.add_argument(
@@ -89,61 +99,71 @@ def main() -> int:
         metavar="N",
         help="torch.profiler over the last N steps; kernel summary in OUT/profile/",
     )
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.profile:
         args.set += [
             f"trainer.profile_steps={args.profile}",
             f"trainer.profile_dir={Path(args.out) / 'profile'}",
         ]
+    return args
 
+
+def launch_argv(launcher: str, cfg_path: Path) -> list[str]:
+    torchrun = [
+        "-m", "torch.distributed.run", "--nproc-per-node", "1",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0",
+    ]  # fmt: skip
+    return [sys.executable, *(torchrun if launcher == "torchrun" else []), "-m",
+            "moe_perf.trainer", str(cfg_path)]  # fmt: skip
+
+
+def print_summary(args: argparse.Namespace, summary: dict, out: Path) -> None:
+    mfu = "n/a" if summary["mfu"] is None else f"{summary['mfu']:.3f}"
+    print(
+        f"\nbench: {args.model} x{args.layers} layers, seq {args.seq}, {args.dtype}, "
+        f"global batch {args.global_batch} (micro {args.micro_batch}), "
+        f"median of {summary['steps_measured']} steps"
+    )
+    print(f"  tokens/s      {summary['tokens_per_s']:.1f}")
+    print(f"  TFLOP/s/GPU   {summary['tflops']:.2f}")
+    print(f"  MFU           {mfu}")
+    print(f"  peak mem GiB  {summary['peak_mem_gib']:.2f}")
+    print(f"  step time s   {summary['step_time_s']:.4f}")
+    environment = summary["environment"]
+    if environment:
+        print(f"  torch {environment.get('torch')}, devices {environment.get('devices')}")
+    print(f"  -> {out / 'bench.json'}")
+
+
+def write_profile_summary(trace: Path, steps: int) -> None:
+    prof = profile_summary.summarize(trace, steps)
+    (trace.parent / "summary.json").write_text(json.dumps(prof, indent=1) + "\n")
+    md = profile_summary.to_markdown(prof)
+    (trace.parent / "summary.md").write_text(md + "\n")
+    print("\n" + md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.yaml"
-    cfg_path.write_text(yaml.safe_dump(make_config(args), sort_keys=False))
-    launch = (
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "1",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "localhost:0",
-        ]
-        if args.launcher == "torchrun"
-        else [sys.executable]
-    )
-    cmd = [*launch, "-m", "moe_perf.trainer", str(cfg_path), *args.set]
+    cfg_path.write_text(yaml.safe_dump(trainer_config(config_overrides(args)), sort_keys=False))
+    cmd = launch_argv(args.launcher, cfg_path)
     print("+", " ".join(cmd), flush=True)
+    max_steps = args.steps + args.profile
+    # the runner's launch: output to OUT/console.log and the console, this checkout first on
+    # PYTHONPATH, every process stopped at Ctrl-C or past the timeout
+    result = run_trainer(cmd, cwd=ROOT, arm_dir=out, label="bench", timeout_s=TIMEOUT_S,
+                         kill_grace_s=30, max_steps=max_steps)  # fmt: skip
+    if result.failure or len(result.steps) < 2:
+        failure = result.failure or f"{len(result.steps)} steps"
+        print(f"bench: trainer failed: {failure} (log: {out / 'console.log'})", file=sys.stderr)
+        return result.exit_code or 1
 
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
-    }
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
-    steps, environment = [], None
-    for line in proc.stdout:
-        print(line, end="", flush=True)
-        if (s := contract.parse_step(line)) is not None:
-            steps.append(s)
-        elif (e := contract.parse_env(line)) is not None:
-            environment = e
-    rc = proc.wait()
-    wall = time.perf_counter() - t0
-    if rc != 0 or len(steps) < 2:
-        print(f"bench: trainer failed (exit {rc}, {len(steps)} steps)", file=sys.stderr)
-        return rc or 1
-
-    # step 1 (allocator warm-up, compile) dropped, and profiled steps (tracing overhead)
-    measured = steps[1 : len(steps) - args.profile] or steps[1:]
-
-    def med(key):
-        vals = [s[key] for s in measured if s.get(key) is not None]
-        return statistics.median(vals) if vals else None
-
+    # profiled steps (tracing overhead) left out; the summary drops step 1 (warm-up, compile)
+    steps = sorted(result.steps, key=lambda s: s["step"])
+    timed = steps[: len(steps) - args.profile] if len(steps) - args.profile >= 2 else steps
     summary = {
         "model": args.model,
         "layers": args.layers,
@@ -152,40 +172,16 @@ def main() -> int:
         "micro_batch": args.micro_batch,
         "dtype": args.dtype,
         "compile": not args.eager,
-        "steps_measured": len(measured),
-        "step_time_s": med("step_time_s"),
-        "tokens_per_s": med("tokens_per_s"),
-        "tflops": med("tflops"),
-        "mfu": med("mfu"),
-        "peak_mem_gib": max(s["peak_mem_gib"] for s in steps),
-        "wall_s": round(wall, 1),
+        **summarize(timed),
+        "wall_s": round(result.trainer_wall_s, 1),
         "command": " ".join(cmd),
-        "environment": environment,
+        "environment": result.trainer_env,
     }
     (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
-    mfu = "n/a" if summary["mfu"] is None else f"{summary['mfu']:.3f}"
-    print(
-        f"\nbench: {args.model} x{args.layers} layers, seq {args.seq}, {args.dtype}, "
-        f"global batch {args.global_batch} (micro {args.micro_batch}), "
-        f"median of {len(measured)} steps"
-    )
-    print(f"  tokens/s      {summary['tokens_per_s']:.1f}")
-    print(f"  TFLOP/s/GPU   {summary['tflops']:.2f}")
-    print(f"  MFU           {mfu}")
-    print(f"  peak mem GiB  {summary['peak_mem_gib']:.2f}")
-    print(f"  step time s   {summary['step_time_s']:.4f}")
-    if environment:
-        print(f"  torch {environment.get('torch')}, devices {environment.get('devices')}")
-    print(f"  -> {out / 'bench.json'}")
+    print_summary(args, summary, out)
     trace = out / "profile" / "trace_rank0.json"
     if args.profile and trace.is_file():
-        import profile_summary
-
-        prof = profile_summary.summarize(trace, args.profile)
-        (out / "profile" / "summary.json").write_text(json.dumps(prof, indent=1) + "\n")
-        md = profile_summary.to_markdown(prof)
-        (out / "profile" / "summary.md").write_text(md + "\n")
-        print("\n" + md)
+        write_profile_summary(trace, args.profile)
     return 0
 
 
