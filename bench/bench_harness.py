@@ -16,18 +16,20 @@ failure):
    the sweep's wall time, each arm's `wall_time_s` and `trainer_wall_s` (metrics.json), the
    harness overhead per arm = (sweep wall time - sum of trainer_wall_s) / arms, and the A/A
    difference of median step time and tokens/s (comparison.json).
-3. Planted slowdown: commits, on a branch `slow`, a delay of d seconds right before the
-   `optimizer.step()` line of moe_perf/trainer/train.py (inside the timed region): a GPU spin
-   kernel (torch.cuda._sleep, calibrated once) on CUDA, where a host sleep would hide behind
-   queued GPU work; time.sleep on CPU. With
-   d = --slowdown x the A/A base median step time, then runs the A/B sweep refs.feat=slow and
-   reports the measured difference (expected about +100 x --slowdown %).
+3. Planted slowdown: commits, on a branch `slow`, a delay of d seconds in the trainer's
+   `bench_hook()` (moe_perf/trainer/train.py: a no-op called once per step inside the timed
+   region, kept for this), its body replaced: a GPU spin kernel (torch.cuda._sleep,
+   calibrated once) on CUDA, where a host sleep would hide behind queued GPU work; time.sleep
+   on CPU. With d = --slowdown x the A/A base median step time, then runs the A/B sweep
+   refs.feat=slow and reports the measured difference (expected about +100 x --slowdown %).
 4. Prints a summary and writes every figure to --out (JSON, schema moe_perf.bench_harness/1).
 
 Each arm runs the trainer of its own commit: the runner puts the arm's worktree first on
-PYTHONPATH (moe_perf/launch.py). The sweep itself runs with the copy first on PYTHONPATH
-(existing entries kept), so it works where moe_perf, Hydra and friends come only through
-PYTHONPATH (no pip install); the runner then composes the copy's own conf/ (cli.config_dir).
+PYTHONPATH. The sweep itself runs with the copy first on PYTHONPATH (existing entries kept), so
+it works where moe_perf, Hydra and friends come only through PYTHONPATH (no pip install); the
+runner then composes the copy's own conf/ (runner/app.py, config_dir). The harness itself uses
+this checkout's moe_perf: its git helpers, the launch's output pump and process stopping
+(launchers/process.py), the sweep loader and the comparison (report/comparison.py).
 `wandb.mode=disabled` is added unless a --set names wandb.mode. Exit status: 0 done, 1 a sweep
 or the planted edit failed, 2 bad arguments.
 """
@@ -35,6 +37,7 @@ or the planted edit failed, 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import io
 import json
@@ -43,14 +46,10 @@ import platform
 import re
 import shlex
 import shutil
-import signal
-import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -58,13 +57,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from moe_perf.launchers.process import run_trainer  # noqa: E402
+from moe_perf.report.comparison import compare_records, load_sweep  # noqa: E402
+from moe_perf.runner.git import GitError, dirty_files, git, resolve_ref  # noqa: E402
+
 SCHEMA = "moe_perf.bench_harness/1"
 TRAIN_PY = "moe_perf/trainer/train.py"
-# The planted sleep goes right before this line, which must sit between the step's two timing
-# points (`t0 = time.perf_counter()` ... `time.perf_counter() - t0`).
-ANCHOR_RE = re.compile(r"^(?P<indent>[ \t]+)optimizer\.step\(\)[ \t]*$", re.MULTILINE)
-TIMER_START_RE = re.compile(r"^[ \t]+t0 = time\.perf_counter\(\)[ \t]*$", re.MULTILINE)
-TIMER_STOP_RE = re.compile(r"time\.perf_counter\(\) - t0\b")
+# The trainer's documented plant point: this function, called once inside the timed step.
+HOOK = "bench_hook"
+HOOK_LINE = f"def {HOOK}() -> None:"
+TIMED_STEP = "train_step"
 # Keys the harness sets itself; a --set of any of them would change what is measured.
 OWNED_KEYS = ("refs.base", "refs.feat", "hydra.sweep.dir", "arm", "repeat", "repo")
 GIT_IDENTITY = {
@@ -77,6 +81,7 @@ GIT_IDENTITY = {
     "GIT_CONFIG_NOSYSTEM": "1",
 }
 ENV_KEYS = ("host", "python", "torch", "cuda", "nccl", "devices", "world_size")
+STOP_GRACE_S = 60.0  # a sweep past --sweep-timeout: SIGTERM (it stops its arm), SIGKILL after
 
 
 class BenchError(RuntimeError):
@@ -97,20 +102,7 @@ class Sweep:
     comparison_source: str | None = None
 
 
-# ---- git and the temporary repository ----------------------------------------------------------
-
-
-def git(repo: Path, *args: str, strip: bool = True) -> str:
-    result = subprocess.run(
-        ["git", "-C", str(repo), *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **GIT_IDENTITY},
-        check=False,
-    )
-    if result.returncode != 0:
-        raise BenchError(f"git {' '.join(args)} in {repo} failed: {result.stderr.strip()}")
-    return result.stdout.strip() if strip else result.stdout
+# ---- the temporary repository ------------------------------------------------------------------
 
 
 def copy_project(root: Path, ref: str, dest: Path) -> str:
@@ -118,7 +110,9 @@ def copy_project(root: Path, ref: str, dest: Path) -> str:
 
     Returns the project's commit that was copied.
     """
-    sha = git(root, "rev-parse", "--verify", f"{ref}^{{commit}}")
+    sha = resolve_ref(root, ref)
+    if sha is None:
+        raise BenchError(f"--ref {ref} names no commit in {root}")
     archive = subprocess.run(
         ["git", "-C", str(root), "archive", "--format=tar", sha], capture_output=True, check=False
     )
@@ -138,13 +132,15 @@ def copy_project(root: Path, ref: str, dest: Path) -> str:
 
 # The planted delay runs where the step's time is spent: on the GPU's stream when there is one
 # (a host sleep would hide behind the GPU work already queued: measured +0.05% for a 5% sleep on
-# an H200), on the host otherwise. Inserted before train.py's first top-level def/class.
-PLANTED_FN = """\
-def _planted_delay(seconds: float) -> None:  # planted by bench/bench_harness.py
+# an H200), on the host otherwise. It replaces the whole of train.py's no-op `bench_hook`.
+PLANTED_HOOK = """\
+def bench_hook() -> None:
+    # planted by bench/bench_harness.py: {note}
+    seconds = {delay_s!r}
     if not torch.cuda.is_available():
         time.sleep(seconds)
         return
-    rate = getattr(_planted_delay, "cycles_per_s", None)
+    rate = getattr(bench_hook, "cycles_per_s", None)
     if rate is None:  # calibrate the spin kernel once (in step 1, which summaries drop)
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -152,80 +148,75 @@ def _planted_delay(seconds: float) -> None:  # planted by bench/bench_harness.py
         torch.cuda._sleep(50_000_000)
         end.record()
         end.synchronize()
-        rate = _planted_delay.cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1e3)
+        rate = bench_hook.cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1e3)
     torch.cuda._sleep(int(seconds * rate))
-
-
 """
-# a top-level definition, its decorators included (the delay goes before the first one)
-TOP_LEVEL_DEF_RE = re.compile(r"^(@|def |class )", re.MULTILINE)
+
+
+def _hook_and_call(text: str) -> tuple[ast.FunctionDef, ast.Call]:
+    """train.py's top-level `bench_hook` and its one call, checked to sit in the timed step
+    (between `t0 = time.perf_counter()` and `time.perf_counter() - t0` of `train_step`)."""
+    tree = ast.parse(text)
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    hook = functions.get(HOOK)
+    if hook is None or text.splitlines()[hook.lineno - 1] != HOOK_LINE:
+        raise BenchError(f"{TRAIN_PY}: no top-level `{HOOK_LINE}` to plant the slowdown in")
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name) and n.func.id == HOOK]  # fmt: skip
+    step = functions.get(TIMED_STEP)
+    in_step = [c for c in calls if step and step.lineno <= c.lineno <= step.end_lineno]
+    if len(calls) != 1 or len(in_step) != 1:
+        raise BenchError(
+            f"{TRAIN_PY}: expected one `{HOOK}()` call, in `{TIMED_STEP}`; found {len(calls)} "
+            f"({len(in_step)} in {TIMED_STEP})"
+        )
+    (call,) = in_step
+    nodes = list(ast.walk(step))
+    starts = [n.lineno for n in nodes if isinstance(n, ast.Assign)
+              and ast.unparse(n) == "t0 = time.perf_counter()"]  # fmt: skip
+    stops = [n.lineno for n in nodes if isinstance(n, ast.BinOp)
+             and ast.unparse(n) == "time.perf_counter() - t0"]  # fmt: skip
+    if not any(s < call.lineno for s in starts) or not any(s > call.lineno for s in stops):
+        raise BenchError(
+            f"{TRAIN_PY}: `{HOOK}()` is not between `t0 = time.perf_counter()` and "
+            f"`time.perf_counter() - t0`: a delay there would not be timed"
+        )
+    return hook, call
 
 
 def plant_slowdown(text: str, delay_s: float, slowdown: float) -> tuple[str, int]:
-    """train.py delayed by `delay_s` right before `optimizer.step()`; (text, line number of
-    the planted call). The delay is `_planted_delay` (PLANTED_FN): a GPU spin kernel on CUDA,
-    a sleep on CPU.
+    """train.py with `bench_hook`'s body replaced by a delay of `delay_s`; (text, line number
+    of the planted hook). The delay is a GPU spin kernel on CUDA, a sleep on CPU (PLANTED_HOOK).
 
-    Fails loudly unless the anchor is there exactly once, inside the timed region, with `time`
-    and `torch` imported as modules.
+    Fails loudly unless the hook and its call are there as train.py documents them, inside the
+    timed region, with `time` and `torch` imported as modules.
     """
-    anchors = list(ANCHOR_RE.finditer(text))
-    if len(anchors) != 1:
-        raise BenchError(
-            f"{TRAIN_PY}: expected exactly one `optimizer.step()` line to plant the slowdown "
-            f"before, found {len(anchors)}; bench/bench_harness.py needs a new anchor"
-        )
-    anchor = anchors[0]
-    start = [m.end() for m in TIMER_START_RE.finditer(text) if m.end() < anchor.start()]
-    stop = [m.start() for m in TIMER_STOP_RE.finditer(text) if m.start() > anchor.end()]
-    if not start or not stop:
-        raise BenchError(
-            f"{TRAIN_PY}: `optimizer.step()` is not between `t0 = time.perf_counter()` and "
-            f"`time.perf_counter() - t0`: a sleep there would not be timed; update the anchor"
-        )
+    hook, _ = _hook_and_call(text)
     for module in ("time", "torch"):
         if not re.search(rf"^import {module}$", text, re.MULTILINE):
             raise BenchError(f"{TRAIN_PY}: no `import {module}` line; the planted delay needs it")
-    first_def = TOP_LEVEL_DEF_RE.search(text)
-    if first_def is None or first_def.start() > anchor.start():
-        raise BenchError(f"{TRAIN_PY}: no top-level def before the step to plant the delay at")
-    call = (
-        f"{anchor['indent']}_planted_delay({delay_s!r})  "
-        f"# planted by bench/bench_harness.py: --slowdown {slowdown:g} of the A/A median step\n"
-    )
-    planted = (
-        text[: first_def.start()]
-        + PLANTED_FN
-        + text[first_def.start() : anchor.start()]
-        + call
-        + text[anchor.start() :]
-    )
-    return planted, planted.count("\n", 0, planted.index(call)) + 1
+    lines = text.splitlines(keepends=True)
+    note = f"--slowdown {slowdown:g} of the A/A median step"
+    planted = PLANTED_HOOK.format(note=note, delay_s=delay_s)
+    text = "".join(lines[: hook.lineno - 1]) + planted + "".join(lines[hook.end_lineno :])
+    return text, hook.lineno
 
 
 def commit_slow_branch(repo: Path, delay_s: float, slowdown: float) -> dict[str, Any]:
-    """Branch `slow` off `main` with the planted sleep; the checkout is back on `main` after."""
+    """Branch `slow` off `main` with the planted delay; the checkout is back on `main` after."""
     path = repo / TRAIN_PY
     if not path.is_file():
         raise BenchError(f"{TRAIN_PY} is not in the copied project: nothing to plant into")
     planted, line = plant_slowdown(path.read_text(encoding="utf-8"), delay_s, slowdown)
     git(repo, "checkout", "-q", "-b", "slow", "main")
     path.write_text(planted, encoding="utf-8")
-    git(repo, "commit", "-q", "-a", "-m", f"plant a {delay_s:.6g} s sleep in every timed step")
+    git(repo, "commit", "-q", "-a", "-m", f"plant a {delay_s:.6g} s delay in every timed step")
     sha = git(repo, "rev-parse", "HEAD")
     git(repo, "checkout", "-q", "main")
     return {"branch": "slow", "sha": sha, "file": TRAIN_PY, "line": line, "delay_s": delay_s}
 
 
 # ---- running a sweep ---------------------------------------------------------------------------
-
-
-def sweep_env(repo: Path) -> dict[str, str]:
-    """The caller's environment, the copy first on PYTHONPATH (existing entries kept)."""
-    env = {**os.environ, **GIT_IDENTITY, "PYTHONUNBUFFERED": "1"}
-    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env["PYTHONPATH"] = os.pathsep.join([str(repo), *kept])
-    return env
 
 
 def sweep_command(
@@ -241,70 +232,6 @@ def sweep_command(
     ]  # fmt: skip
 
 
-def run_logged(
-    command: list[str], *, cwd: Path, env: dict[str, str], log: Path, echo: bool, timeout_s: float
-) -> tuple[int, float]:
-    """Run `command`, its output to `log` (and the console with `echo`); (exit code, wall s).
-
-    The wall time is taken around the process alone. Past `timeout_s` the sweep gets SIGTERM
-    (the runner stops its arm and removes the worktree), SIGKILL 60 s later.
-    """
-    with open(log, "w", encoding="utf-8") as out:
-        out.write(f"# cwd: {cwd}\n# {shlex.join(command)}\n")
-        out.flush()
-        start = time.perf_counter()
-        proc = subprocess.Popen(
-            command,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-        )
-
-        def pump() -> None:
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                out.write(line)
-                if echo:
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
-
-        reader = threading.Thread(target=pump, name="sweep-output", daemon=True)
-        reader.start()
-        try:
-            code = proc.wait(timeout=timeout_s)
-            wall_s = time.perf_counter() - start
-        except subprocess.TimeoutExpired:
-            stop(proc)
-            raise BenchError(
-                f"the sweep ran past {timeout_s:g} s (--sweep-timeout) and was stopped; see {log}"
-            ) from None
-        except KeyboardInterrupt:
-            # Ctrl-C reached the sweep too (same process group): it stops its arm and removes
-            # the worktree; a second signal now could cut that short, so wait first
-            stop(proc, wait_first_s=60)
-            raise
-        finally:
-            reader.join(timeout=10)
-    return code, wall_s
-
-
-def stop(proc: subprocess.Popen, wait_first_s: float = 0.0) -> None:
-    """SIGTERM (the runner's Ctrl-C path), SIGKILL 60 s later; optionally wait before both."""
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=wait_first_s)
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def tail(path: Path, lines: int = 40) -> str:
     try:
         text = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -313,64 +240,59 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-def read_records(sweep_dir: Path) -> list[dict]:
-    """Every metrics.json of this sweep directory (earlier runs moved to previous/ skipped)."""
-    records = []
-    for path in sorted(sweep_dir.rglob("metrics.json")):
-        if "previous" in path.relative_to(sweep_dir).parts:
-            continue
-        record = json.loads(path.read_text(encoding="utf-8"))
-        record["_path"] = str(path)
-        records.append(record)
-    return sorted(records, key=lambda r: str(r.get("started")))  # run order
-
-
-def read_comparison(
-    sweep_dir: Path, *, cwd: Path, env: dict[str, str]
-) -> tuple[dict | None, str | None]:
-    """comparison.json as the sweep's callback wrote it; else the runner's own compare tool."""
+def read_comparison(sweep_dir: Path, records: list[dict], notes: list[str]) -> tuple[dict, str]:
+    """comparison.json as the sweep's callback wrote it; else the comparison of its records."""
     path = sweep_dir / "comparison.json"
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8")), "comparison.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "moe_perf.compare", str(sweep_dir), "--json", "--no-write"],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if result.returncode != 0:
-        return None, None
-    return json.loads(result.stdout), "python -m moe_perf.compare --json (no comparison.json)"
+    report = compare_records(records, notes, sweep_dir=str(sweep_dir))
+    return report, "moe_perf.report.comparison of the records (no comparison.json)"
 
 
 def run_sweep(
     name: str, *, repo: Path, work: Path, overrides: Sequence[str], feat_ref: str, args
 ) -> Sweep:
     sweep_dir = work / "sweeps" / name
+    log_dir = work / "logs" / name
     sweep = Sweep(
         name=name,
         command=sweep_command(repo, overrides, feat_ref, sweep_dir, args.repeats),
         sweep_dir=sweep_dir,
-        log=work / f"{name}.log",
+        log=log_dir / "console.log",
     )
-    env = sweep_env(repo)
     print(f"[bench] {name}: {shlex.join(sweep.command[1:])}", flush=True)
-    code, sweep.wall_s = run_logged(
-        sweep.command,
-        cwd=repo,
-        env=env,
-        log=sweep.log,
-        echo=args.verbose,
-        timeout_s=args.sweep_timeout,
-    )
-    if code != 0:
-        raise BenchError(
-            f"the {name} sweep failed with exit code {code}; last lines of {sweep.log}:\n"
-            f"{tail(sweep.log)}"
+    log_dir.mkdir(parents=True)
+    # The runner's own launch code runs the sweep as it runs an arm: its output to the log (and
+    # the console with -v), the copy first on PYTHONPATH, and past the timeout SIGTERM (the
+    # runner stops its arm and removes the worktree), SIGKILL later. The sweep prints no step
+    # lines of the trainer contract, so the launch's own step figures and failure are not used.
+    quiet = open(os.devnull, "w") if not args.verbose else contextlib.nullcontext(sys.stdout)
+    with quiet as echo:
+        result = run_trainer(
+            sweep.command,
+            cwd=repo,
+            arm_dir=log_dir,
+            label=name,
+            timeout_s=args.sweep_timeout,
+            kill_grace_s=STOP_GRACE_S,
+            max_steps=0,
+            echo=echo,
         )
-    sweep.records = read_records(sweep_dir)
+    sweep.wall_s = result.trainer_wall_s
+    if result.timed_out:
+        raise BenchError(
+            f"the sweep ran past {args.sweep_timeout:g} s (--sweep-timeout) and was stopped; "
+            f"see {sweep.log}"
+        )
+    if result.launch_exit_code != 0:
+        raise BenchError(
+            f"the {name} sweep failed with exit code {result.launch_exit_code}; last lines of "
+            f"{sweep.log}:\n{tail(sweep.log)}"
+        )
+    records, notes = load_sweep(sweep_dir)
+    for note in notes:
+        print(f"[bench] {name}: {note}", flush=True)
+    sweep.records = sorted(records, key=lambda r: str(r.get("started")))  # run order
     arms = {r.get("arm") for r in sweep.records}
     if not {"base", "feat"} <= arms:
         raise BenchError(
@@ -381,9 +303,7 @@ def run_sweep(
     if failed:
         why = "; ".join(f"{r['arm']} r{r.get('repeat', 0)}: {r.get('failure')}" for r in failed)
         raise BenchError(f"the {name} sweep exited 0 but arms failed: {why}; see {sweep.log}")
-    sweep.comparison, sweep.comparison_source = read_comparison(sweep_dir, cwd=repo, env=env)
-    if sweep.comparison is None:
-        raise BenchError(f"the {name} sweep left no comparison in {sweep_dir}; see {sweep.log}")
+    sweep.comparison, sweep.comparison_source = read_comparison(sweep_dir, records, notes)
     return sweep
 
 
@@ -470,12 +390,6 @@ def environment_of(records: list[dict]) -> dict[str, Any]:
         "platform": platform.platform(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
     }
-
-
-def base_median_step(sweep: Sweep) -> float:
-    """Median of the base runs' median step times (all groups of the sweep)."""
-    values = [r["summary"]["step_time_s"] for r in sweep.records if r["arm"] == "base"]
-    return statistics.median(v for v in values if v is not None)
 
 
 def fmt_pct(value: float | None) -> str:
@@ -581,7 +495,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     repo = work / "repo"
-    dirty = [line[3:] for line in git(ROOT, "status", "--porcelain", strip=False).splitlines()]
+    dirty = dirty_files(ROOT)
     sha = copy_project(ROOT, args.ref, repo)
     print(f"[bench] copied {ROOT} @ {sha[:12]} to {repo} (branch main)", flush=True)
     if dirty and args.ref == "HEAD":
@@ -590,7 +504,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     aa = run_sweep("aa", repo=repo, work=work, overrides=args.overrides, feat_ref="main", args=args)
     aa_figures = sweep_figures(aa)
-    base_median = base_median_step(aa)
+    # the comparison's base median (median of run medians) of the group the report leads with
+    base_median = aa_figures["groups"][0]["base_step_time_s"]
     delay_s = round(args.slowdown * base_median, 6)
     if delay_s <= 0:
         raise BenchError(f"A/A base median step time {base_median} s gives no delay to plant")
@@ -604,8 +519,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "planted", repo=repo, work=work, overrides=args.overrides, feat_ref="slow", args=args
     )
     planted_figures = sweep_figures(planted)
-    planted_base = base_median_step(planted)
     first_aa, first_planted = aa_figures["groups"][0], planted_figures["groups"][0]
+    planted_base = first_planted["base_step_time_s"]
     return {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
@@ -651,9 +566,11 @@ def main(argv: list[str] | None = None) -> int:
         args.workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="moe_perf_bench_harness-", dir=args.workdir))
     keep = args.keep
+    # every git command of the harness and of its sweeps runs with the harness's identity
+    os.environ.update(GIT_IDENTITY)
     try:
         report = bench(args, work)
-    except BenchError as err:
+    except (BenchError, GitError) as err:
         keep = True
         print(f"bench_harness: {err}", file=sys.stderr)
         print(f"bench_harness: kept {work} for a look", file=sys.stderr)

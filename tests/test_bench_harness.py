@@ -2,22 +2,31 @@
 
 The end-to-end test runs the script as a user would (two real sweeps of `python -m moe_perf` in
 a temporary copy of this project) and checks the figures it writes; the others check the
-planted edit of train.py without running anything.
+trainer's plant point (`train.bench_hook`) and the harness's edit of it, with short real runs
+of the reference trainer in this process.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import io
 import json
 import math
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
+from moe_perf.common import contract
+from moe_perf.common.config import config_from_dict
+from moe_perf.trainer import train
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "bench_harness.py"
+TRAIN_PY = ROOT / "moe_perf" / "trainer" / "train.py"
 # the smallest workload that still gives a median over a few measured steps (step 1 dropped)
 SMALL = [
     "--set", "training.sequence_length=64",
@@ -27,54 +36,75 @@ SMALL = [
 ]  # fmt: skip
 
 
-def load_script():
-    if "bench_harness" in sys.modules:
-        return sys.modules["bench_harness"]
-    spec = importlib.util.spec_from_file_location("bench_harness", SCRIPT)
+def load_script(name: str = "bench_harness"):
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_harness"] = module  # its dataclasses look their module up by name
+    sys.modules[name] = module  # its dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
 
 
-def committed_train_py() -> str:
-    return subprocess.run(
-        ["git", "-C", str(ROOT), "show", "HEAD:moe_perf/trainer/train.py"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+def tiny_config(steps: int):
+    """The tiny model for a few CPU steps, composed by bench_trainer's Hydra composition."""
+    raw = load_script("bench_trainer").trainer_config([
+        "training.sequence_length=32", "training.global_batch=2", "training.micro_batch=1",
+        f"training.max_steps={steps}", "training.device=cpu",
+    ])  # fmt: skip
+    return config_from_dict(raw)
 
 
-def test_the_planted_sleep_goes_inside_the_timed_step():
+def step_lines(text: str) -> list[dict]:
+    return [s for s in map(contract.parse_step, text.splitlines()) if s]
+
+
+def test_the_trainer_calls_bench_hook_once_per_timed_step(monkeypatch):
+    out = io.StringIO()
+    # each call records how many step lines were out by then: one call per step, before its line
+    seen = []
+    monkeypatch.setattr(train, "bench_hook", lambda: seen.append(len(step_lines(out.getvalue()))))
+    train.run(tiny_config(steps=3), out=out)
+    assert seen == [0, 1, 2]
+    assert len(step_lines(out.getvalue())) == 3
+
+
+def test_the_plant_replaces_only_the_hook_inside_the_timed_step():
     bench = load_script()
-    text = committed_train_py()
+    text = TRAIN_PY.read_text()
     planted, line = bench.plant_slowdown(text, 0.0123, 0.5)
-    lines = planted.splitlines()
-    assert lines[line - 1].strip().startswith("_planted_delay(0.0123)")
-    assert lines[line].strip() == "optimizer.step()"
-    assert len(lines) == len(text.splitlines()) + len(bench.PLANTED_FN.splitlines()) + 1
-    before, after = planted.split("_planted_delay(0.0123)")
-    assert "t0 = time.perf_counter()" in before and "time.perf_counter() - t0" in after
-    assert before.count("def _planted_delay(") == 1
-    compile(planted, "train.py", "exec")  # still valid Python
-
-    # The planted function delays by what it is asked, here on the host (no CUDA).
-    import time as time_module
-
-    import torch
-
-    namespace = {"time": time_module, "torch": torch}
-    exec(bench.PLANTED_FN, namespace)
-    t0 = time_module.perf_counter()
-    namespace["_planted_delay"](0.05)
-    if not torch.cuda.is_available():
-        assert time_module.perf_counter() - t0 >= 0.05
+    lines, planted_lines = text.splitlines(), planted.splitlines()
+    (hook,) = [n for n in ast.parse(text).body if getattr(n, "name", None) == "bench_hook"]
+    assert hook.lineno == line and lines[line - 1] == "def bench_hook() -> None:"
+    assert planted_lines[line - 1] == "def bench_hook() -> None:"
+    assert planted_lines[line].startswith("    # planted by bench/bench_harness.py: --slowdown 0.5")
+    assert planted_lines[line + 1] == "    seconds = 0.0123"
+    body = len(bench.PLANTED_HOOK.splitlines())
+    assert planted_lines[: line - 1] == lines[: line - 1]  # the rest of train.py as it was
+    assert planted_lines[line - 1 + body :] == lines[hook.end_lineno :]
+    bench.plant_slowdown(planted, 0.0123, 0.5)  # the planted file keeps the contract
 
 
-def test_a_missing_anchor_fails_loudly():
+def test_the_planted_delay_lands_in_every_timed_step(monkeypatch):
     bench = load_script()
-    text = committed_train_py()
-    with pytest.raises(bench.BenchError, match="optimizer.step"):
-        bench.plant_slowdown(text.replace("optimizer.step()", "opt.step()"), 0.01, 0.5)
+    planted, _ = bench.plant_slowdown(TRAIN_PY.read_text(), 0.2, 1.0)
+    module = types.ModuleType("planted_train")
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # for its dataclasses
+    exec(compile(planted, str(TRAIN_PY), "exec"), module.__dict__)
+    out = io.StringIO()
+    module.run(tiny_config(steps=2), out=out)
+    # a lower bound only: each timed step sleeps 0.2 s (no CUDA here) whatever else it does
+    assert [s["step_time_s"] >= 0.2 for s in step_lines(out.getvalue())] == [True, True]
+
+
+def test_a_missing_or_untimed_hook_fails_loudly():
+    bench = load_script()
+    text = TRAIN_PY.read_text()
+    renamed = text.replace("def bench_hook() -> None:", "def bench_hook(step) -> None:")
+    with pytest.raises(bench.BenchError, match="no top-level `def bench_hook"):
+        bench.plant_slowdown(renamed, 0.01, 0.5)
+    with pytest.raises(bench.BenchError, match="expected one `bench_hook\\(\\)` call"):
+        bench.plant_slowdown(text.replace("    bench_hook()\n", ""), 0.01, 0.5)
     outside = text.replace("t0 = time.perf_counter()", "t0 = time.monotonic()")
     with pytest.raises(bench.BenchError, match="not be timed"):
         bench.plant_slowdown(outside, 0.01, 0.5)

@@ -38,6 +38,7 @@ class LaunchResult:
     log_format: str = "contract"
     derivations: list[str] = field(default_factory=list)  # what was derived, in words
     launch_exit_code: int | None = None  # the launcher's own (torchrun's, srun's) exit status
+    timed_out: bool = False  # stopped at timeout_s
 
 
 def trainer_env(worktree: Path, arm_dir: Path, token: str, extra: dict[str, str] | None = None,
@@ -286,7 +287,7 @@ def run_trainer(
     # the trainer's own exit code where torchrun reported it (torchrun itself exits 1)
     trainer_code = launch.exit_code if launch.exit_code is not None else exit_code
     return LaunchResult(trainer_code, failure, parsed.steps, reader.env, round(wall_s, 3),
-                        parsed.log_format, parsed.derivations, exit_code)  # fmt: skip
+                        parsed.log_format, parsed.derivations, exit_code, timed_out)  # fmt: skip
 
 
 def _tail(path: Path, size: int) -> str:
