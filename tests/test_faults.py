@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -245,6 +246,46 @@ def test_a_killed_runners_launch_is_stopped_by_the_next_sweep(tmp_path):
     finally:
         if alive(trainer):
             os.kill(trainer, signal.SIGKILL)
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")  # cgroup v1 freezer, as `docker pause` uses
+
+
+def can_freeze() -> bool:
+    return FREEZER.is_dir() and os.access(FREEZER, os.W_OK)
+
+
+@pytest.mark.skipif(not can_freeze(), reason="needs a writable cgroup v1 freezer (root)")
+def test_an_orphan_that_cannot_be_stopped_is_named_and_the_sweep_refused(tmp_path):
+    # A frozen task takes no signal until it is thawed: SIGKILL stays pending, the process
+    # stays (state D), as a launch paused by a container or scheduler would.
+    repo = stand_in_repo(tmp_path / "repo", base="ignore_term", feat="ok")
+    runner, trainer = start_runner(repo, tmp_path, "arm=base")
+    runner.kill()
+    runner.communicate()
+    cgroup = FREEZER / f"moe_perf_test_{os.getpid()}"
+    cgroup.mkdir()
+    try:
+        (cgroup / "cgroup.procs").write_text(str(trainer))
+        (cgroup / "freezer.state").write_text("FROZEN")
+        before = sorted(sweep_dir(repo).rglob("*"))  # the dead sweep's files
+        result = moe_perf(repo, *RUN, "arm=feat", "launcher.kill_grace_s=1")
+        assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+        (line,) = [x for x in result.stderr.splitlines() if "died and its launch" in x]
+        assert f"pid(s) {trainer} (" in line  # the one left, by pid and command
+        assert f"{trainer}: user {pwd.getpwuid(os.getuid()).pw_name}, state D" in line  # frozen
+        assert f"`kill -9 {trainer}`" in line and "start the sweep again" in line
+        assert "Traceback" not in result.stderr
+        assert alive(trainer)
+        assert sorted(sweep_dir(repo).rglob("*")) == before  # refused before writing
+    finally:
+        (cgroup / "freezer.state").write_text("THAWED")
+        if alive(trainer):
+            os.kill(trainer, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while alive(trainer) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        cgroup.rmdir()
 
 
 @pytest.mark.parametrize("presses", [1, 2])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import signal
 import time
 from pathlib import Path
@@ -77,4 +78,22 @@ def describe_pids(pids: set[int]) -> str:
         except OSError:
             cmd = "?"
         shown.append(f"{pid} ({cmd[:80]}{'...' if len(cmd) > 80 else ''})")
+    return ", ".join(shown)
+
+
+def owners_and_states(pids: set[int]) -> str:
+    """`4242: user alice, state D` for each pid: why a signal may not have stopped it."""
+    shown = []
+    for pid in sorted(pids):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            uid = int(Path(f"/proc/{pid}/status").read_text().split("\nUid:")[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            shown.append(f"{pid}: gone")
+            continue
+        try:
+            user = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            user = f"uid {uid}"
+        shown.append(f"{pid}: user {user}, state {state}")
     return ", ".join(shown)

@@ -55,9 +55,12 @@ def clean_up_dead_sweeps(repo: Path, grace_s: float) -> None:
             listed = " ".join(map(str, sorted(left)))
             raise PrerequisiteError(
                 f"an earlier moe_perf sweep on {repo} died and its launch is still running: "
-                f"pid(s) {orphans.describe_pids(left)}, which this user cannot stop; it would "
-                f"share the devices with this sweep. Stop it as its owner (`kill -9 {listed}`) "
-                f"and start the sweep again"
+                f"pid(s) {orphans.describe_pids(left)}, which SIGTERM and SIGKILL did not stop "
+                f"({orphans.owners_and_states(left)}: another user's process, or one frozen or "
+                f"in uninterruptible sleep, state D, which no signal reaches until it is thawed "
+                f"or its I/O ends); it would share the devices with this sweep. Stop it as its "
+                f"owner (`kill -9 {listed}`; a frozen one once it is thawed) and start the "
+                f"sweep again"
             )
         say(f"stopped {len(found)} launch(es) of an earlier moe_perf sweep whose runner died, "
             f"still running and holding the devices: pid(s) {shown}")  # fmt: skip
