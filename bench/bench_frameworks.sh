@@ -7,8 +7,8 @@
 #
 # TITAN_TREE: a torchtitan 0.2.2 source tree (torchtitan/ and tests/assets/tokenizer/); it is
 # copied into a fresh git repository (branch main), a branch `planted` adds a GPU spin of
-# PLANT_MS (default 30, about 5% of a 0.67 s step) at the start of every train step, calibrated
-# here with CUDA events. torchtitan's c4_test loader reads seeded synthetic JSON lines written
+# PLANT_MS (default 30, about 4% of a 0.74 s step) in every train step, right before the
+# optimizer step, calibrated here with CUDA events. torchtitan's c4_test loader reads seeded synthetic JSON lines written
 # into tests/assets/c4_test. Each sweep directory (records, console logs, comparison.md) lands
 # in OUT_DIR; bench.txt there collects the comparisons.
 set -euo pipefail
@@ -39,7 +39,10 @@ git add -A
 git -c user.name=bench -c user.email=bench@moe-perf.invalid commit -q -m "torchtitan 0.2.2"
 
 # The plant: torch.cuda._sleep(cycles) spins on the GPU stream, so it is not hidden behind
-# queued GPU work the way a host sleep is; cycles per millisecond measured here.
+# queued GPU work the way a host sleep is; cycles per millisecond measured here. It goes right
+# before the optimizer step, where the host has queued the whole backward ahead of the GPU. At
+# the start of train_step (the first try) the GPU is idle while the host loads and tokenizes
+# the step's micro-batches, and a 30 ms spin there hid entirely in that gap (read as -0.05%).
 CYCLES=$("$PY" - "$PLANT_MS" <<'EOF'
 import sys, torch
 cycles = 10_000_000
@@ -54,8 +57,8 @@ git checkout -q -b planted
 import sys
 path, cycles = sys.argv[1], sys.argv[2]
 src = open(path).read()
-anchor = "        self.optimizers.zero_grad()\n"
-assert src.count(anchor) == 1, "train_step's first line moved: update the plant"
+anchor = "        self.optimizers.step()\n"
+assert src.count(anchor) == 1, "train_step's optimizer step moved: update the plant"
 plant = f"        torch.cuda._sleep({cycles})  # moe_perf bench: planted slowdown\n"
 open(path, "w").write(src.replace(anchor, plant + anchor))
 EOF
