@@ -24,17 +24,20 @@ GIT_IDENTITY = {
     "GIT_CONFIG_NOSYSTEM": "1",
 }
 
-# A trainer for tests: real torch work each step (a matmul loop), contract lines from rank 0.
+# A trainer for tests: real work each step (a matmul loop), contract lines from rank 0.
 # The feat branch of a test repository raises EXTRA_SLEEP_S to make each step measurably slower.
+# numpy, not torch: what the tests check is the runner around the trainer, and a torch import is
+# about 2 s of each rank's start-up on a 2-core machine (torchrun itself still imports torch).
 SMALL_TRAINER = textwrap.dedent(
     '''
-    """A small trainer for tests: real torch work per step, contract lines from rank 0."""
+    """A small trainer for tests: real work per step (numpy), contract lines from rank 0."""
+    import importlib.metadata
     import os
     import resource
     import sys
     import time
 
-    import torch
+    import numpy
     import yaml
 
     from moe_perf.common.contract import format_env, format_step
@@ -51,16 +54,15 @@ SMALL_TRAINER = textwrap.dedent(
     steps = cfg["training"]["max_steps"]
     tokens = cfg["training"]["global_batch"] * cfg["training"]["sequence_length"]
     rank = int(os.environ.get("RANK", "0"))
-    torch.manual_seed(cfg["training"]["seed"])
-    x = torch.randn(96, 96)
+    x = numpy.random.default_rng(cfg["training"]["seed"]).standard_normal((96, 96))
     if rank == 0:
-        env = {"torch": torch.__version__, "cuda": None, "nccl": None, "devices": [],
-               "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+        env = {"torch": importlib.metadata.version("torch"), "cuda": None, "nccl": None,
+               "devices": [], "world_size": int(os.environ.get("WORLD_SIZE", "1"))}
         print(format_env(env), flush=True)
     for step in range(1, steps + 1):
         start = time.perf_counter()
         for _ in range(30):
-            x = torch.tanh(x @ x)
+            x = numpy.tanh(x @ x)
         time.sleep(EXTRA_SLEEP_S)
         seconds = time.perf_counter() - start
         peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
