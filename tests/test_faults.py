@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import signal
 import subprocess
 import sys
@@ -114,6 +115,23 @@ def arm_dir(repo: Path, arm: str) -> Path:
 
 def arm_record(repo: Path, arm: str) -> dict:
     return strict(arm_dir(repo, arm) / "metrics.json")
+
+
+@pytest.fixture(scope="module")
+def ok_sweep_repo(tmp_path_factory) -> Path:
+    """A stand-in repository right after one real `-m arm=base,feat` sweep whose arms both
+    passed, run once for the tests below that start from such a sweep."""
+    repo = stand_in_repo(tmp_path_factory.mktemp("ok-sweep") / "repo")
+    first = moe_perf(repo, *RUN, "-m", "arm=base,feat")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return repo
+
+
+@pytest.fixture
+def swept_repo(ok_sweep_repo: Path, tmp_path: Path) -> Path:
+    """This test's own copy of `ok_sweep_repo` (git history, sweep directory and all), so what
+    one test does to it never reaches another."""
+    return Path(shutil.copytree(ok_sweep_repo, tmp_path / "repo", symlinks=True))
 
 
 # ---- bad step lines --------------------------------------------------------------------------
@@ -367,10 +385,8 @@ def test_a_refused_sweep_writes_nothing(tmp_path):
     assert git(repo, "status", "--porcelain") == ""
 
 
-def test_an_earlier_sweep_is_kept_whole_and_its_comparison_rebuilt(tmp_path):
-    repo = stand_in_repo(tmp_path / "repo")
-    first = moe_perf(repo, *RUN, "-m", "arm=base,feat")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+def test_an_earlier_sweep_is_kept_whole_and_its_comparison_rebuilt(swept_repo):
+    repo = swept_repo
     first_id = strict(sweep_dir(repo) / ".moe_perf" / "sweep.json")["sweep_id"]
     second = moe_perf(repo, *RUN, "arm=base")  # a later sweep into the same directory
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
@@ -400,10 +416,8 @@ def test_an_earlier_sweep_is_kept_whole_and_its_comparison_rebuilt(tmp_path):
 # ---- records the comparison cannot use --------------------------------------------------------
 
 
-def test_compare_skips_a_record_of_wrong_types_with_a_note(tmp_path):
-    repo = stand_in_repo(tmp_path / "repo")
-    result = moe_perf(repo, *RUN, "-m", "arm=base,feat")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_compare_skips_a_record_of_wrong_types_with_a_note(swept_repo):
+    repo = swept_repo
     good = arm_record(repo, "base")
     bad_dir = arm_dir(repo, "base").with_name("pp1-dp1-cp1-ep1-seq64-x-base-r1")
     bad_dir.mkdir()
@@ -424,10 +438,8 @@ def test_compare_skips_a_record_of_wrong_types_with_a_note(tmp_path):
     assert [r["repeat"] for r in group["runs"]] == [0]  # the good base run only
 
 
-def test_a_sweep_refused_by_a_range_check_keeps_the_earlier_sweep_as_it_was(tmp_path):
-    repo = stand_in_repo(tmp_path / "repo")
-    first = moe_perf(repo, *RUN, "-m", "arm=base,feat")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+def test_a_sweep_refused_by_a_range_check_keeps_the_earlier_sweep_as_it_was(swept_repo):
+    repo = swept_repo
     before = sorted(str(p.relative_to(sweep_dir(repo))) for p in sweep_dir(repo).rglob("*"))
     multirun = (sweep_dir(repo) / "multirun.yaml").read_text()
     bad = moe_perf(repo, *RUN, "-m", "arm=base,feat", "training.sequence_length=0,64")
