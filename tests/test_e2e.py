@@ -49,15 +49,22 @@ def assert_repo_untouched(repo: Path) -> None:
     assert len(git(repo, "worktree", "list").splitlines()) == 1
 
 
-def test_ab_sweep_feat_is_slower(tmp_path):
-    repo = make_ab_repo(tmp_path / "repo", slowdown_s=0.05)
+@pytest.fixture(scope="module")
+def two_mesh_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
+    """One real `-m mesh=single,ep2 arm=base,feat` sweep (feat sleeps 0.05 s more per step),
+    read by the two tests below: (repository, result, each arm's commit)."""
+    repo = make_ab_repo(tmp_path_factory.mktemp("two-mesh") / "repo", slowdown_s=0.05)
     shas = {"base": git(repo, "rev-parse", "main"), "feat": git(repo, "rev-parse", "feature")}
-    # the base arm moves the user's checkout to main: feat must still run the commit that was
+    # each base arm moves the user's checkout to main: feat must still run the commit that was
     # checked out when the sweep started
-    result = moe_perf(
-        repo, *SMALL_RUN, "-m", "arm=base,feat", env={"TEST_SWITCH_USER_BRANCH_TO": "main"}
-    )
+    result = moe_perf(repo, *SMALL_RUN, "-m", "mesh=single,ep2", "arm=base,feat",
+                      env={"TEST_SWITCH_USER_BRANCH_TO": "main"})  # fmt: skip
     assert_ok(result)
+    return repo, result, shas
+
+
+def test_ab_sweep_feat_is_slower(two_mesh_sweep):
+    repo, result, shas = two_mesh_sweep
     assert git(repo, "branch", "--show-current") == "main"
 
     arms = sweep_dir(repo) / "tiny"
@@ -80,7 +87,7 @@ def test_ab_sweep_feat_is_slower(tmp_path):
     assert base["finished"] <= feat["started"]  # strictly one after the other, base first
     assert feat["summary"]["step_time_s"] > base["summary"]["step_time_s"] + 0.03
 
-    (group,) = comparison(repo)["groups"]
+    (group,) = [g for g in comparison(repo)["groups"] if g["tag"] == TAG]
     assert group["status"] == "compared" and group["config_differences"] == []
     assert group["difference"]["step_time_s"]["words"] == "slower"
     assert group["difference"]["step_time_s"]["pct"] > 0
@@ -91,9 +98,8 @@ def test_ab_sweep_feat_is_slower(tmp_path):
     assert not (repo / "outputs" / ".gitignore").exists()
 
 
-def test_two_meshes_give_two_comparisons(ab_repo):
-    result = moe_perf(ab_repo, *SMALL_RUN, "-m", "mesh=single,ep2", "arm=base,feat")
-    assert_ok(result)
+def test_two_meshes_give_two_comparisons(two_mesh_sweep):
+    ab_repo, result, _ = two_mesh_sweep
     groups = {g["tag"]: g for g in comparison(ab_repo)["groups"]}
     assert set(groups) == {TAG, "pp1-dp2-cp1-ep2-seq64-fp32"}
     for group in groups.values():
