@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.base import TrainerLaunch
 
 
@@ -22,4 +23,6 @@ class ContractTrainer:
 
     def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
         argv = [str(part) for part in cfg.trainer.command] + [str(config_path)]
-        return TrainerLaunch(argv=argv, log_format="contract")
+        # torch.compile's caches in the repository's compile-cache directory (compile_cache.py)
+        env = compile_cache.cache_env(cfg, worktree)
+        return TrainerLaunch(argv=argv, env=env, log_format="contract")

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.armcode import ArmCode, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
 from moe_perf.report.explain import explain_steps
@@ -317,6 +318,6 @@ class TorchTitan:
             entry += ["--num-layers", str(layers)] if layers else []
             entry += ["--float8"] if fp8_in_process else []
             entry.append("--")
-        env = dict(OFFLINE_ENV)
+        env = {**OFFLINE_ENV, **compile_cache.cache_env(cfg, worktree)}
         env.update({str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()})
         return TrainerLaunch(argv=entry + argv, env=env, log_format="torchtitan")

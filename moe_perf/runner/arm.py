@@ -8,6 +8,7 @@ skip the comparison at the end); Ctrl-C and SIGTERM stop the arm and are re-rais
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import sys
 import threading
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks import compile_cache
 from moe_perf.launchers.process import LaunchResult, run_trainer, shown
 from moe_perf.report import explain
 from moe_perf.report import record as records
@@ -59,13 +61,21 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str) -> LaunchResult:
+def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict) -> LaunchResult:
+    """Runs the arm's trainer in its worktree; notes in `extra` which compile cache it used."""
     arm = str(cfg.arm.name)
     config_path = job.arm_dir / "config.yaml"
     launcher = launchers.get(cfg)
     threads = RankThreads.for_launch(int(cfg.mesh.nproc_per_node))
     with git.worktree(sweep.repo, sweep.shas[arm], label) as worktree:
         trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
+        # as the trainer gets it: the adapter's (compile_cache.py), else the runner's, else
+        # None (torch's default under /tmp)
+        inductor_dir = trainer.env.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get(
+            "TORCHINDUCTOR_CACHE_DIR"
+        )
+        extra["compile_cache"] = {"dir": str(Path(inductor_dir).parent) if inductor_dir else None,
+                                  "inductor_dir": inductor_dir}  # fmt: skip
         say(starting_line(label, threads, bool(cfg.trainer.get("compile", False))))
         return run_trainer(
             launcher.argv(cfg, job.arm_dir, trainer.argv),
@@ -86,6 +96,12 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str) -> LaunchRes
 def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, started: str,
                t0: float, extra: dict) -> dict:  # fmt: skip
     arm = config["arm"]["name"]
+    startup = compile_cache.read_startup(job.arm_dir)  # rank 0's timeline and cache counters
+    if startup is not None:
+        extra = {**extra, "startup_marks_s": startup.get("marks_s")}
+        if "compile_cache" in extra:
+            counters = startup.get("compile_counters") or None
+            extra["compile_cache"] = {**extra["compile_cache"], "counters": counters}
     record = records.arm_record(
         config=config,
         sweep_id=sweep.sweep_id,
@@ -98,8 +114,12 @@ def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, start
         started=started,
         wall_time_s=time.perf_counter() - t0,
         trainer_wall_s=result.trainer_wall_s,
-        extra={**extra, "launch_exit_code": result.launch_exit_code,
-               "log_format": result.log_format, "derivations": result.derivations},
+        extra={
+            **extra,
+            "launch_exit_code": result.launch_exit_code,
+            "log_format": result.log_format,
+            "derivations": result.derivations,
+        },
     )
     records.write_record(job.arm_dir / "metrics.json", record)
     return record
@@ -112,6 +132,8 @@ def report(record: dict, label: str) -> None:
             f"{shown(s['tokens_per_s'], ',.0f')} tokens/s, peak "
             f"{shown(s['peak_mem_gib'], '.2f')} GiB ({s['steps_measured']} steps measured, "
             f"step 1 dropped)")  # fmt: skip
+        if record.get("compile_cache") and record["config"]["trainer"].get("compile"):
+            say(f"{label}: {compile_cache.describe(record['compile_cache'])}")
     else:
         say(f"{label}: FAILED: {record['failure']} (log: {record['log']})", sys.stderr)
 
@@ -144,7 +166,7 @@ def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep) -> dict:
         say(f"{arm_count(job.num, job.total)}: {label}: {sweep.refs[arm]} @ "
             f"{sweep.shas[arm][:10]}, {cfg.model.name} {cfg.tag} -> {job.arm_dir}")  # fmt: skip
         try:
-            result = launch_arm(cfg, job, sweep, label)
+            result = launch_arm(cfg, job, sweep, label, extra)
         except KeyboardInterrupt:
             stopped = LaunchResult(exit_code=None, failure="interrupted (Ctrl-C/SIGTERM)")
             report(finish_arm(job, sweep, config, stopped, started, t0, extra), label)

@@ -6,15 +6,55 @@ from __future__ import annotations
 import os
 import platform
 import resource
+import sys
+import time
 
 import torch
 import torch.distributed as dist
 
 from moe_perf.common.config import ConfigError
 
+_IMPORTED = time.perf_counter()
+
 
 class TrainerError(RuntimeError):
     """A run that cannot start on this machine (fp8 without support, world size mismatch)."""
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: /proc/self/stat against the boot clock), so
+    the interpreter's start-up and every import count; elsewhere, since this module's import."""
+    try:
+        fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start, in clock ticks
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - started
+        if 0 <= age < 86400 * 365:  # another clock in a container's time namespace: fall back
+            return age
+    except (OSError, ValueError, IndexError, AttributeError):
+        pass
+    return time.perf_counter() - _IMPORTED
+
+
+class Timeline:
+    """Start-up marks: seconds since the process started at named points (startup.json)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = round(process_age_s(), 3)
+
+
+def compile_counters() -> dict[str, int]:
+    """torch's compile-cache counters of this process: inductor's fxgraph_cache_{hit,miss,
+    bypass} and AOTAutograd's autograd_cache_{hit,miss,bypass,saved}; empty without compile."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import counters
+
+    found = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    found.update({k: v for k, v in counters["aot_autograd"].items() if "autograd_cache" in k})
+    return dict(sorted(found.items()))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -39,8 +39,10 @@ from moe_perf.trainer.parallelize import (
     parallelize,
 )
 from moe_perf.trainer.runtime import (
+    Timeline,
     TrainerError,
     apply_fp8,
+    compile_counters,
     environment,
     init_distributed,
     mean_over,
@@ -90,9 +92,11 @@ def distribute(model: nn.Module, par: Parallel, cfg: Config):
     return [parallelize(model, par, cfg)], None
 
 
-def build(cfg: Config, out) -> Trainer:
+def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     """Process group, model (built on the meta device, then only this rank's part allocated:
-    its pipeline stages' layers, its EP slice of the experts), optimizer. Prints the env line."""
+    its pipeline stages' layers, its EP slice of the experts), optimizer. Prints the env line;
+    marks each stage's end on `timeline`."""
+    timeline = timeline or Timeline()
     dims = cfg.validate()
     t = cfg.training
     n_micro = dims.microbatches(t.global_batch, t.micro_batch)
@@ -100,6 +104,7 @@ def build(cfg: Config, out) -> Trainer:
     device = resolve_device(t.device)
     init_distributed(device, dims.world)
     par = init_parallel(dims, device)
+    timeline.mark("process_group")
     if par.global_rank == 0:
         print(contract.format_env(environment(device, dims.world)), file=out, flush=True)
 
@@ -115,7 +120,9 @@ def build(cfg: Config, out) -> Trainer:
         layer.experts.backend = cfg.trainer.expert_backend
     if cfg.dtype.fp8 or cfg.dtype.name == "fp8":
         apply_fp8(model, device)
-    parts, pipe = distribute(model, par, cfg)
+    timeline.mark("model_on_meta")
+    parts, pipe = distribute(model, par, cfg)  # allocates, initialises, wraps in compile
+    timeline.mark("parallelized")
     for part in parts:
         part.train()
         moe.set_aux_loss_grad_scale(part, 1.0 / n_micro)
@@ -290,8 +297,19 @@ def explain(tr: Trainer, steps: int, out_dir) -> None:
 # The run
 
 
-def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None) -> None:
-    tr = build(cfg, out)
+def write_startup(path: Path, timeline: Timeline) -> None:
+    """Rank 0's start-up timeline (seconds since its process started at each mark: main,
+    process_group, model_on_meta, parallelized, step1_done, steps_done, finished) and its
+    compile-cache counters, for the runner's record."""
+    info = {"marks_s": timeline.marks, "compile_counters": compile_counters()}
+    path.write_text(json.dumps(info) + "\n")
+
+
+def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
+        startup_path=None) -> None:  # fmt: skip
+    timeline = Timeline()
+    timeline.mark("main")
+    tr = build(cfg, out, timeline)
     max_steps = cfg.training.max_steps
     profiler = profiling.Profiler(cfg.trainer, max_steps, tr.device, tr.rank, profile_dir)
     for step in range(1, max_steps + 1):
@@ -299,13 +317,19 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None) -> None
         loss, step_time = train_step(tr, local_batch(tr, step))
         profiler.after_step(step)
         metrics = step_metrics(tr, loss, step_time)
+        if step == 1:
+            timeline.mark("step1_done")
         if tr.rank == 0:
             print(contract.format_step(step, max_steps, **metrics), file=out, flush=True)
+    timeline.mark("steps_done")
     if cfg.trainer.explain_steps > 0:
         explain(tr, cfg.trainer.explain_steps, explain_dir)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    timeline.mark("finished")
+    if startup_path is not None and tr.rank == 0:
+        write_startup(Path(startup_path), timeline)
 
 
 def main(argv: list[str]) -> int:
@@ -318,7 +342,12 @@ def main(argv: list[str]) -> int:
     try:
         arm_dir = Path(argv[0]).resolve().parent
         cfg = load_config(argv[0], argv[1:])
-        run(cfg, profile_dir=arm_dir / "profile", explain_dir=arm_dir / "explain")
+        run(
+            cfg,
+            profile_dir=arm_dir / "profile",
+            explain_dir=arm_dir / "explain",
+            startup_path=arm_dir / "startup.json",
+        )
         return 0
     except (*USER_ERRORS, TrainerError) as e:
         print(f"moe_perf.trainer: error: {e}", file=sys.stderr)

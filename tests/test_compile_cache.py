@@ -1,0 +1,71 @@
+"""torch.compile's caches shared by the arms of a repository: a real compiled A/B sweep.
+
+One sweep of the tiny model, compiled, against a branch whose loss differs by one op. The base
+arm compiles cold into the sweep's cache directory; the feat arm (its own worktree, its own
+code) loads every unchanged graph from it and recompiles the changed one. Both facts come from
+the counters the trainer recorded (torch's fxgraph_cache_hit/miss), not from timings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import git, moe_perf, sweep_dir
+from test_e2e import assert_ok, copy_of_moe_perf
+
+from moe_perf.frameworks import compile_cache
+
+LOSS = "    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())\n"
+
+# bf16: compiled, torch._grouped_mm's meta function on CPU accepts bf16 only; one layer and
+# short sequences keep the cold CPU compile of the base arm to some tens of seconds
+SMALL = ["dtype=bf16", "trainer.compile=true", "model.num_layers=1",
+         "training.sequence_length=32", "training.global_batch=2", "training.max_steps=2",
+         "wandb.mode=disabled", "timeout_s=300"]  # fmt: skip
+
+
+def test_the_second_arm_loads_unchanged_graphs_and_recompiles_the_changed_one(tmp_path):
+    repo = copy_of_moe_perf(tmp_path / "repo")
+    model = repo / "moe_perf" / "trainer" / "model.py"
+    text = model.read_text()
+    assert text.count(LOSS) == 1, "the changed op goes in model.cross_entropy"
+    git(repo, "checkout", "-q", "-b", "scaled-loss")
+    model.write_text(
+        text.replace(LOSS, LOSS.replace("labels_BS.flatten())", "labels_BS.flatten()) * 2.0"))
+    )
+    git(repo, "commit", "-q", "-am", "the loss doubled: one compiled graph changes")
+
+    cache = tmp_path / "compile-cache"
+    result = moe_perf(tmp_path, f"repo={repo}", f"compile_cache={cache}", *SMALL,
+                      "-m", "arm=base,feat", timeout=400)  # fmt: skip
+    assert_ok(result)
+    arms = sweep_dir(tmp_path) / "tiny"
+    base, feat = (json.loads((arms / f"pp1-dp1-cp1-ep1-seq32-bf16-{arm}" / "metrics.json")
+                             .read_text()) for arm in ("base", "feat"))  # fmt: skip
+    assert base["status"] == feat["status"] == "ok"
+    for record in (base, feat):
+        assert record["compile_cache"]["dir"] == str(cache)
+        assert Path(record["compile_cache"]["inductor_dir"]).parent == cache
+    b, f = base["compile_cache"]["counters"], feat["compile_cache"]["counters"]
+    assert b.get("fxgraph_cache_hit", 0) == 0 and b["fxgraph_cache_miss"] > 0  # cold
+    assert f["fxgraph_cache_hit"] > 0  # the unchanged layer graphs, from base's entries
+    assert 0 < f["fxgraph_cache_miss"] < b["fxgraph_cache_miss"]  # the changed loss only
+    assert (cache / "inductor").is_dir()
+    # the start-up timeline is in order, and the console names the cache and its counts
+    marks = list(feat["startup_marks_s"].values())
+    assert marks == sorted(marks) and feat["startup_marks_s"]["step1_done"] > 0
+    assert f"compile cache {cache}: FX graphs {f['fxgraph_cache_hit']} hit" in result.stdout
+
+
+def test_auto_is_one_directory_per_repository_shared_by_its_worktrees(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    repo = copy_of_moe_perf(tmp_path / "repo")
+    other = copy_of_moe_perf(tmp_path / "other")
+    git(repo, "worktree", "add", "-q", "--detach", str(tmp_path / "wt"), "HEAD")
+    mine = compile_cache.cache_dir("auto", repo)
+    assert mine == compile_cache.cache_dir("auto", tmp_path / "wt")
+    assert mine != compile_cache.cache_dir("auto", other)
+    assert mine.parent == tmp_path / "xdg" / "moe_perf" / "compile"
+    assert mine.name.startswith("repo-")
+    assert compile_cache.cache_dir("off", repo) is None
