@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
+
+from moe_perf.common.errors import PrerequisiteError
 
 
 class ArmCode:
@@ -62,3 +66,58 @@ def visible_gpus() -> int:
     if visible is not None:
         listed = min(listed, len([d for d in visible.split(",") if d.strip()]))
     return listed if proc.returncode == 0 else 0
+
+
+FP8_COMPUTE_CAPABILITY = (8, 9)  # Ada and Hopper onwards have fp8 tensor cores
+
+
+def gpu_compute_capabilities() -> list[tuple[int, int]]:
+    """(major, minor) of each GPU nvidia-smi lists; empty without a driver."""
+    query = ["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"]
+    try:
+        proc = subprocess.run(query, capture_output=True, text=True, check=False, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if proc.returncode != 0:
+        return []
+    found = []
+    for line in proc.stdout.split():
+        major, _, minor = line.strip().partition(".")
+        if major.isdigit() and minor.isdigit():
+            found.append((int(major), int(minor)))
+    return found
+
+
+def check_fp8_host(cfg: Any, torchao: bool = True, python: str = sys.executable) -> None:
+    """dtype=fp8 trains on fp8-capable GPUs, through torchao's float8 linears where `torchao`
+    (the reference trainer, torchtitan): both checked on this host before anything launches
+    (the arms run this interpreter), so a missing piece is never a failed arm."""
+    if not cfg.dtype.fp8:
+        return
+    if str(cfg.training.device) == "cpu":
+        raise PrerequisiteError(
+            "dtype=fp8 runs on GPUs only and training.device=cpu: use dtype=bf16"
+        )
+    if torchao:
+        check_torchao(python)
+    capabilities = gpu_compute_capabilities()
+    slow = [f"{a}.{b}" for a, b in capabilities if (a, b) < FP8_COMPUTE_CAPABILITY]
+    if not capabilities or slow:
+        have = f"compute capability {', '.join(slow)}" if slow else "no GPU (nvidia-smi)"
+        raise PrerequisiteError(
+            f"dtype=fp8 needs GPUs of compute capability 8.9 or later (H100, H200, L40S); this "
+            f"host has {have}: use dtype=bf16"
+        )
+
+
+def check_torchao(python: str) -> None:
+    probe = [python, "-c", "import importlib.util as u; print(u.find_spec('torchao') is not None)"]
+    try:
+        found = subprocess.run(probe, capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        found = ""
+    if found != "True":
+        raise PrerequisiteError(
+            f"dtype=fp8 needs torchao in {python} (pip install 'moe_perf[fp8]', or a torchao "
+            "built for this torch); or use dtype=bf16"
+        )

@@ -9,7 +9,10 @@ from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks import compile_cache
+from moe_perf.frameworks.armcode import check_fp8_host
 from moe_perf.frameworks.base import TrainerLaunch
+
+REFERENCE_COMMAND = ["-m", "moe_perf.trainer"]
 
 
 class ContractTrainer:
@@ -20,6 +23,12 @@ class ContractTrainer:
             raise PrerequisiteError(
                 "trainer.command is empty: set e.g. trainer.command=[-m,mytrainer]"
             )
+
+    def check_host(self, cfg: Any) -> None:
+        """fp8: the reference trainer's float8 linears are torchao's (another contract trainer
+        brings its own: only the device is checked for it)."""
+        reference = [str(part) for part in cfg.trainer.command] == REFERENCE_COMMAND
+        check_fp8_host(cfg, torchao=reference)
 
     def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
         argv = [str(part) for part in cfg.trainer.command] + [str(config_path)]

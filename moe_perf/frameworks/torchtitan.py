@@ -22,7 +22,7 @@ from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks import compile_cache
-from moe_perf.frameworks.armcode import ArmCode, visible_gpus
+from moe_perf.frameworks.armcode import ArmCode, check_fp8_host, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
 from moe_perf.report.explain import explain_steps
 
@@ -296,6 +296,7 @@ class TorchTitan:
                 f"trainer=torchtitan needs mesh.nproc_per_node={want} CUDA devices on this "
                 f"host; nvidia-smi lists {have}: run on a GPU machine or pick a smaller mesh"
             )
+        check_fp8_host(cfg)  # its float8 converter is torchao's
 
     def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
         cli = titan_cli(ArmCode(worktree))
