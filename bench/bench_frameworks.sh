@@ -10,7 +10,7 @@
 # PLANT_MS (default 30, about 4% of a 0.74 s step) in every train step, right before the
 # optimizer step, calibrated here with CUDA events. torchtitan's c4_test loader reads seeded synthetic JSON lines written
 # into tests/assets/c4_test. Each sweep directory (records, console logs, comparison.md) lands
-# in OUT_DIR; bench.txt there collects the comparisons.
+# in OUT_DIR; bench.txt there collects the comparisons. SWEEPS (below) picks the sweeps.
 set -euo pipefail
 
 TREE=$(cd "$1" && pwd)
@@ -77,8 +77,16 @@ sweep() {  # name, overrides...
   cat "$OUT/$name/comparison.md" >> "$OUT/bench.txt" 2>/dev/null || echo "(no comparison)" >> "$OUT/bench.txt"
 }
 
-sweep titan_aa trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=main
-sweep titan_planted trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=planted
-# the reference trainer on the same shapes (micro-batch 16, its fastest on one H200); its code
-# is not in this repository, so both arms run the installed moe_perf trainer (an A/A)
-sweep reference trainer=reference "${SHAPES[@]}" refs.base=main refs.feat=main
+# SWEEPS picks and orders them; titan_explain is the planted sweep with explain=true
+# (torchtitan's profiler over the last measured steps, read back as a per-category breakdown)
+for name in ${SWEEPS:-titan_aa titan_planted reference}; do
+  case $name in
+    titan_aa) sweep titan_aa trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=main ;;
+    titan_planted) sweep titan_planted trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=planted ;;
+    titan_explain) sweep titan_explain trainer=torchtitan "${SHAPES[@]}" refs.base=main refs.feat=planted explain=true ;;
+    # the reference trainer on the same shapes (micro-batch 16, its fastest on one H200); its
+    # code is not in this repository, so both arms run the installed moe_perf trainer (an A/A)
+    reference) sweep reference trainer=reference "${SHAPES[@]}" refs.base=main refs.feat=main ;;
+    *) echo "SWEEPS: unknown sweep $name (titan_aa titan_planted titan_explain reference)" >&2; exit 2 ;;
+  esac
+done
