@@ -13,7 +13,9 @@ seconds since its process started), the measured steps and their share of the co
 and the compile-cache counters. Everything is written to OUT_DIR/startup.json as well.
 
 `--set` replaces a default (`--set model=tiny --set dtype=bf16 --set training.sequence_length=64`
-runs it on a CPU).
+runs it on a CPU); `--env KEY=VALUE` adds to the environment of every run (and so of the
+trainer), e.g. `--env TORCHINDUCTOR_COMPILE_THREADS=1` to see what inductor's compile-worker
+pool, started by the first compile even when every graph then loads from the cache, costs.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def scratch_repo() -> Path:
     return repo
 
 
-def one_run(i: int, repo: Path, out: Path, overrides: dict[str, str]) -> dict:
+def one_run(i: int, repo: Path, out: Path, overrides: dict[str, str], extra_env: dict) -> dict:
     run_dir = out / f"run{i}"
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = [sys.executable, "-m", "moe_perf", f"repo={repo}", "arm=base",
@@ -58,6 +60,7 @@ def one_run(i: int, repo: Path, out: Path, overrides: dict[str, str]) -> dict:
             f"compile_cache={out / 'cache'}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     env = {
         **os.environ,
+        **extra_env,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     t0 = time.perf_counter()
@@ -112,25 +115,29 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     overrides = dict(SHAPES)
     for item in args.set:
         key, _, value = item.partition("=")
         overrides[key] = value
+    extra_env = dict(item.partition("=")[::2] for item in args.env)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(out / "cache", ignore_errors=True)  # run 1 is cold
     repo = scratch_repo()
     print("overrides: " + " ".join(f"{k}={v}" for k, v in overrides.items()))
+    if extra_env:
+        print("environment added: " + " ".join(f"{k}={v}" for k, v in extra_env.items()))
     results = []
     try:
         for i in range(1, args.runs + 1):
-            results.append(one_run(i, repo, out, overrides))
+            results.append(one_run(i, repo, out, overrides, extra_env))
             show(i, results[-1])
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
     (out / "startup.json").write_text(
-        json.dumps({"overrides": overrides, "runs": results}, indent=1) + "\n"
+        json.dumps({"overrides": overrides, "env": extra_env, "runs": results}, indent=1) + "\n"
     )
 
 
