@@ -181,6 +181,9 @@ def test_ctrl_c_stops_everything(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "moe_perf", *SMALL_RUN, "-m", "arm=base,feat"],
         cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # as from a terminal: under a shell's background job (pytest ... &) SIGINT would be
+        # inherited ignored, the Ctrl-C never seen and the sweep left running
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     log = sweep_dir(repo) / "tiny" / f"{TAG}-base" / "console.log"
     deadline = time.monotonic() + 90
