@@ -82,6 +82,8 @@ def test_every_preset_command_is_accepted_and_validated_by_megatron(
         t.sequence_length, t.global_batch, t.micro_batch, t.max_steps)  # fmt: skip
     assert args.moe_router_force_load_balancing and args.mock_data and args.log_throughput
     assert args.log_interval == 1 and args.bf16
+    # no evaluation, but an interval: Megatron sizes its validation split with it
+    assert args.eval_iters == 0 and args.train_iters // args.eval_interval >= 1
     # validate_args asks the CUDA device for its architecture (grouped GEMM needs sm80+, CP's
     # connection setting depends on it): answer for the H200 these commands are for
     import torch
@@ -144,3 +146,23 @@ def test_check_needs_a_megatron_lm_checkout(tmp_path):
     subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
     subprocess.run(["git", "-C", str(repo), "commit", "-q", "-m", "script"], check=True)
     Megatron().check(cfg, repo)
+
+
+def test_no_evaluation_but_an_eval_interval_for_megatrons_sample_count():
+    """Megatron-LM (d98e8a6) computes train_iters // eval_interval + 1 evaluations even with
+    --eval-iters 0, and its eval_interval defaults to None: without the flag every arm died in
+    dataset building (TypeError: unsupported operand type(s) for //: 'int' and 'NoneType')."""
+    cfg = composed("model=qwen3-30b-a3b", "training.max_steps=6")
+    argv = megatron_argv(cfg)
+    assert flag(argv, "--eval-iters") == "0"
+    assert int(flag(argv, "--train-iters")) // int(flag(argv, "--eval-interval")) == 1
+
+
+def test_local_layers_turn_persist_layer_norm_off():
+    """--transformer-impl local norms RMSNorm with torch (WrappedTorchNorm), which asserts
+    `not persist_layer_norm`, Megatron's default (seen on an H200 at Megatron-LM d98e8a6)."""
+    local = megatron_argv(composed("model=qwen3-30b-a3b", "trainer.transformer_impl=local"))
+    assert flag(local, "--transformer-impl") == "local" and "--no-persist-layer-norm" in local
+    te = megatron_argv(composed("model=qwen3-30b-a3b"))
+    assert flag(te, "--transformer-impl") == "transformer_engine"
+    assert "--no-persist-layer-norm" not in te

@@ -106,6 +106,7 @@ def model_flags(m: Any, seq_len: int) -> list[str]:
 
 def run_flags(cfg: Any) -> list[str]:
     t, mesh = cfg.training, cfg.mesh
+    impl = str(cfg.trainer.get("transformer_impl") or "transformer_engine")
     flags = [
         "--tensor-model-parallel-size", "1",
         "--pipeline-model-parallel-size", str(mesh.pp),
@@ -120,10 +121,20 @@ def run_flags(cfg: Any) -> list[str]:
         "--mock-data",
         "--log-interval", "1",
         "--log-throughput",
-        # no evaluation between or after the timed iterations; nothing saved (no --save)
+        # no evaluation between or after the timed iterations; nothing saved (no --save). The
+        # interval is needed all the same: Megatron-LM sizes its validation split as
+        # train_iters // eval_interval + 1 evaluations, and its default is None since the
+        # config moved to dataclasses (TypeError: unsupported operand type(s) for //: 'int'
+        # and 'NoneType', seen at d98e8a6 on an H200)
         "--eval-iters", "0",
-        "--transformer-impl", str(cfg.trainer.get("transformer_impl") or "transformer_engine"),
+        "--eval-interval", str(t.max_steps),
+        "--transformer-impl", impl,
     ]  # fmt: skip
+    if impl == "local":
+        # local layers norm RMSNorm with torch (WrappedTorchNorm, Apex or not), which refuses
+        # Megatron's default persist_layer_norm=True ("persist_layer_norm not supported by
+        # torch LayerNorm")
+        flags.append("--no-persist-layer-norm")
     if t.benchmark:
         # router logits replaced by fresh noise: balanced on average, not exactly
         flags.append("--moe-router-force-load-balancing")

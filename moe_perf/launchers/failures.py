@@ -24,6 +24,9 @@ _ROOT_CAUSE_RE = re.compile(
     re.DOTALL | re.MULTILINE,
 )
 _WORKER_RE = re.compile(r"^\s*(?:\d+:\s)?\[(?:default|rank)(\d+)\]:(.*)$")
+# torch.distributed prefixes each line of a worker's uncaught exception with `[rank0]: `, inside
+# torchrun's own prefix: `[default0]:[rank0]: TypeError: ...` (Megatron-LM on an H200)
+_RANK_RE = re.compile(r"^\[rank\d+\]:\s?")
 # a glog-style prefix of a C++ log line: `[E1203 17:40:01.123 ProcessGroupNCCL.cpp:616] `
 _GLOG_RE = re.compile(r"^(?:\[rank\d+\]:)?\[[EWIF]\d{4} [^\]]*\]\s*")
 _CUDA_OOM_RE = re.compile(r"CUDA out of memory|OutOfMemoryError|CUDA error: out of memory")
@@ -57,7 +60,7 @@ def worker_lines(console: str) -> list[str]:
     for line in console.splitlines():
         match = _WORKER_RE.match(line)
         if match:
-            out.append(match.group(2))
+            out.append(_RANK_RE.sub("", match.group(2)))
     return out
 
 
