@@ -179,6 +179,8 @@ def test_an_a_a_pair_moves_no_category_beyond_its_noise(tmp_path):
     assert section["arms"]["base"]["runs"] == 2
     moved = [r["label"] for r in section["categories"] if r["beyond_noise"]]
     assert moved == [], section["categories"]
+    floor = explain.NOISE_FLOOR_CPU * section["arms"]["base"]["step_ms"]["median"]
+    assert min(r["noise_ms"] for r in section["categories"]) >= floor  # a CPU trace's floor
 
 
 def test_an_arm_without_traces_says_why(tmp_path):

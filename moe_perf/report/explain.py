@@ -18,7 +18,10 @@ and are matched to their forward op through the profiler's autograd sequence num
 Steps are split at the profiler's `ProfilerStep#N` markers, the first profiled step dropped
 (when 3 or more). A category's noise is the widest per-step range (max - min) of either arm,
 and never less than NOISE_FLOOR of the base arm's profiled step: on an H200 the per-step range
-of a GEMM category is about a microsecond, and a change that small is not a move.
+of a GEMM category is about a microsecond, and a change that small is not a move. On a CPU the
+floor is higher (NOISE_FLOOR_CPU): op times there move with the load and clock of a shared
+machine between processes more than within one, so two arms can each be steady and still sit
+a percent apart in an A/A run.
 The runner never imports torch: traces are JSON.
 """
 
@@ -36,6 +39,7 @@ EXPLAIN_STEPS = 4
 EXPERT_SCOPE = "moe_perf.experts"
 TOP_CHANGES = 10
 NOISE_FLOOR = 0.005  # of the base arm's profiled step: smaller changes are never called moves
+NOISE_FLOOR_CPU = 0.02  # the same on a CPU trace
 
 CATEGORIES = (  # key, label; the order of the tables
     ("dense_gemm", "dense GEMM"),
@@ -480,13 +484,18 @@ def _source(trainers: set) -> str:
             "measured steps; the profiler adds a little host time per op")  # fmt: skip
 
 
+def noise_floor(arm: dict) -> float:
+    """The smallest noise, as a fraction of the arm's profiled step, for its device."""
+    return NOISE_FLOOR_CPU if arm["device"] == "cpu" else NOISE_FLOOR
+
+
 def _differences(base: dict, feat: dict) -> dict:
     rows = []
     for key, label in CATEGORIES:
         b, f = base["categories"][key], feat["categories"][key]
         delta = f["median"] - b["median"]
         steps_known = all(a["per_step"] and len(a["step_values"]) > 1 for a in (base, feat))
-        floor = NOISE_FLOOR * base["step_ms"]["median"]
+        floor = noise_floor(base) * base["step_ms"]["median"]
         noise = max(b["max"] - b["min"], f["max"] - f["min"], floor) if steps_known else None
         rows.append({
             "category": key, "label": label, "base_ms": b["median"], "feat_ms": f["median"],
@@ -576,7 +585,7 @@ def _category_table(section: dict) -> list[str]:
     lines.append("")
     lines.append(
         "`*`: the difference is larger than the category's noise (the widest "
-        f"per-step range of either arm, at least {NOISE_FLOOR:.1%} of the base step)."
+        f"per-step range of either arm, at least {noise_floor(base):.1%} of the base step)."
     )
     return lines
 
