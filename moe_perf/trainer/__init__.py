@@ -3,8 +3,9 @@
 Torch only; no Hydra. train.py builds the run and loops over steps (runtime.py: device, process
 group, metric reductions; profiling.py: torch.profiler). Model code is single-device: model.py
 (the transformer), attention.py, layers.py (norm, dense FFN, init streams), moe.py (the MoE
-block) with routing.py, dispatch.py, experts.py and balance.py. All distribution is applied by parallelize.py (with ep.py, cp.py and
-pp.py), which injects collectives and process groups into the model code.
+block) with routing.py, dispatch.py, experts.py and balance.py. All distribution is applied
+by parallelize.py (with ep.py, cp.py and pp.py), which injects collectives and process groups
+into the model code.
 
 Shape legend of the hot code: a tensor's name ends in its dimensions, `x_TD` is [T, D].
   B  sequences of a micro-batch            S  positions of a sequence held by this rank
