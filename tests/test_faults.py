@@ -432,7 +432,7 @@ def test_compare_skips_a_record_of_wrong_types_with_a_note(swept_repo):
     assert f"skipped {bad_dir / 'metrics.json'}: not a moe_perf.arm/1 record: summary is " in (
         out.stdout
     )
-    assert "steps[0].step is \"1\", not int" in out.stdout
+    assert 'steps[0].step is "1", not int' in out.stdout
     assert "holds a JSON list, not an object" in out.stdout
     (group,) = strict(sweep_dir(repo) / "comparison.json")["groups"]
     assert [r["repeat"] for r in group["runs"]] == [0]  # the good base run only

@@ -237,6 +237,7 @@ def run_trainer(
 
     def notify(text: str) -> None:
         print(f"[moe_perf] {label}: {text}", file=echo, flush=True)
+
     console_log = arm_dir / "console.log"
     with open(console_log, "w", encoding="utf-8") as log:
         log.write("# " + " ".join(argv) + "\n")

@@ -99,8 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, help="devices of the run (per-device figures)")
     p.add_argument("--out", type=Path, help="also write comparison.json/.md/.png here")
     p.add_argument("--no-write", action="store_true", help="SWEEP_DIR: print only")
-    p.add_argument("--sweep", metavar="ID",
-                   help="SWEEP_DIR: the sweep of this id (an earlier one is kept in previous/ID)")
+    p.add_argument(
+        "--sweep",
+        metavar="ID",
+        help="SWEEP_DIR: the sweep of this id (an earlier one is kept in previous/ID)",
+    )
     p.add_argument("--json", action="store_true", help="print comparison.json instead")
     return p
 

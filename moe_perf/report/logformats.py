@@ -368,9 +368,11 @@ class ParsedLog:
             problems.append(f"step {beyond[0]} is beyond training.max_steps={max_steps}")
         if problems:
             more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
-            return "bad step lines, so no figure of this run is used: " + "; ".join(
-                problems[:2]
-            ) + more
+            return (
+                "bad step lines, so no figure of this run is used: "
+                + "; ".join(problems[:2])
+                + more
+            )
         if not self.steps_reported:
             if self.log_format == "contract":
                 return "no metrics: the trainer printed no '[moe_perf] step=' lines"
