@@ -135,7 +135,7 @@ def test_a_sweep_counts_arms_lists_its_files_and_ends_with_a_verdict(ab_repo):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "OMP_NUM_THREADS environment variable" not in out + result.stderr  # no banner
-    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    threads = max(1, (len(os.sched_getaffinity(0)) - 1) // 2)
     assert out.count(f"torchrun with 2 ranks, OMP_NUM_THREADS={threads} each") == 2
     assert "arm 1/2: base" in out and "arm 2/2: feat" in out
     assert out.index("arm 1/2: base") < out.index("[base] step 1/4") < out.index("arm 2/2: feat")
@@ -243,8 +243,9 @@ def test_rank_threads_split_the_cores_unless_the_environment_says(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
     threads = RankThreads.for_launch(2)
-    assert threads.env == {"OMP_NUM_THREADS": str(max(1, cores // 2))}
-    assert f"({cores} cores / 2; set OMP_NUM_THREADS to choose)" in threads.describe()
+    assert threads.env == {"OMP_NUM_THREADS": str(max(1, (cores - 1) // 2))}
+    assert f"({cores} cores - 1 for the runner, / 2; set OMP_NUM_THREADS" in threads.describe()
+    assert RankThreads.for_launch(1).threads == max(1, cores - 1)  # one core left to the runner
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     given = RankThreads.for_launch(8)
     assert given.env == {} and "OMP_NUM_THREADS=3 each (from your environment)" in given.describe()
