@@ -318,7 +318,7 @@ def readme_commands() -> list[str]:
 def test_ci_runs_exactly_the_readme_setup_and_test_commands():
     setup, main_job, tests = readme_commands()
     assert setup.startswith("python3 -m venv .venv") and "'.[dev,slurm]'" in setup
-    assert tests == ".venv/bin/python -m pytest -q"
+    assert tests == ".venv/bin/python -m pytest -q -n 2"
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     commands = [line for line in ci if line and not line.startswith("#")]
     assert setup in commands and tests in commands
