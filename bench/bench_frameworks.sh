@@ -12,6 +12,7 @@
 # into tests/assets/c4_test. Each sweep directory (records, console logs, comparison.md) lands
 # in OUT_DIR; bench.txt there collects the comparisons. SWEEPS (below) picks the sweeps.
 set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)  # bench/, before any cd
 
 TREE=$(cd "$1" && pwd)
 OUT=$(mkdir -p "$2" && cd "$2" && pwd)
@@ -43,15 +44,7 @@ git -c user.name=bench -c user.email=bench@moe-perf.invalid commit -q -m "torcht
 # before the optimizer step, where the host has queued the whole backward ahead of the GPU. At
 # the start of train_step (the first try) the GPU is idle while the host loads and tokenizes
 # the step's micro-batches, and a 30 ms spin there hid entirely in that gap (read as -0.05%).
-CYCLES=$("$PY" - "$PLANT_MS" <<'EOF'
-import sys, torch
-cycles = 10_000_000
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-torch.cuda._sleep(cycles); torch.cuda.synchronize()
-start.record(); torch.cuda._sleep(cycles); end.record(); torch.cuda.synchronize()
-print(int(cycles * float(sys.argv[1]) / start.elapsed_time(end)))
-EOF
-)
+CYCLES=$("$PY" "$HERE/gpu_spin_cycles.py" "$PLANT_MS")
 git checkout -q -b planted
 "$PY" - torchtitan/train.py "$CYCLES" <<'EOF'
 import sys

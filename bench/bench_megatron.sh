@@ -15,6 +15,7 @@
 # STEPS, LAYERS, GLOBAL_BATCH, MICRO_BATCH change the shapes; EXTRA adds overrides (word-split,
 # e.g. EXTRA=dry_run=true); CYCLES skips the calibration (no GPU needed for a dry run).
 set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)  # bench/, before any cd
 
 TREE=$(cd "$1" && pwd)
 OUT=$(mkdir -p "$2" && cd "$2" && pwd)
@@ -37,15 +38,7 @@ git -c user.name=bench -c user.email=bench@moe-perf.invalid commit -q -m "Megatr
 
 # torch.cuda._sleep spins on the GPU stream (a host sleep would hide behind queued GPU work);
 # before optimizer.step() the host has queued the whole backward ahead of the GPU
-CYCLES=${CYCLES:-$("$PY" - "$PLANT_MS" <<'EOF'
-import sys, torch
-cycles = 10_000_000
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-torch.cuda._sleep(cycles); torch.cuda.synchronize()
-start.record(); torch.cuda._sleep(cycles); end.record(); torch.cuda.synchronize()
-print(int(cycles * float(sys.argv[1]) / start.elapsed_time(end)))
-EOF
-)}
+CYCLES=${CYCLES:-$("$PY" "$HERE/gpu_spin_cycles.py" "$PLANT_MS")}
 git checkout -q -b planted
 "$PY" - megatron/training/training.py "$CYCLES" <<'EOF'
 import re, sys
