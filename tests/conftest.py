@@ -93,6 +93,8 @@ def git_identity():
     saved = {key: os.environ.get(key) for key in GIT_IDENTITY}
     os.environ.update(GIT_IDENTITY)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # a 2-core machine shared with other tests
+    if "torch" in sys.modules:  # imported at collection, before the variable was set
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     yield
     for key, value in saved.items():
         if value is None:

@@ -159,7 +159,7 @@ def test_categorize_cpu_op_chains(chain, in_experts, key):
 
 def test_a_planted_elementwise_pass_is_that_category(tmp_path):
     base = arm_record(tmp_path, "base", Step(**CPU_SIZES))
-    feat = arm_record(tmp_path, "feat", Step(**CPU_SIZES, extra_elementwise=200))
+    feat = arm_record(tmp_path, "feat", Step(**CPU_SIZES, extra_elementwise=600))
     section = explain.explain_group([base, feat])
     rows = {r["category"]: r for r in section["categories"]}
     assert section["moved_most"] == "norms_elementwise"
