@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# One thread per test process and trainer: a 2-core machine runs two pytest workers. Set before
+# the test modules import torch at collection, so the tests' own torch reads it too.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 GIT_IDENTITY = {
     "GIT_AUTHOR_NAME": "moe_perf tests",
     "GIT_AUTHOR_EMAIL": "tests@moe-perf.invalid",
@@ -92,9 +96,6 @@ SMALL_RUN = [
 def git_identity():
     saved = {key: os.environ.get(key) for key in GIT_IDENTITY}
     os.environ.update(GIT_IDENTITY)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # a 2-core machine shared with other tests
-    if "torch" in sys.modules:  # imported at collection, before the variable was set
-        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     yield
     for key, value in saved.items():
         if value is None:
