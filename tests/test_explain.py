@@ -67,7 +67,7 @@ class Step:
             T, D
         )
         for _ in range(self.extra_elementwise):
-            h = h * 1.0001
+            h.mul_(1.0001)  # in place: no allocation (and page faults) per pass
         if dist.is_initialized():
             h = all_to_all_single_autograd(h, None, None, dist.group.WORLD)
         w_e = self.w_e.to(self.dtype)
@@ -391,3 +391,16 @@ def test_an_a_a_sweep_moves_no_category_beyond_its_noise(tmp_path):
              if r["beyond_noise"]]  # fmt: skip
     assert moved == []
     assert "no category moved beyond noise" in md
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        ([10.0, 11.0, 12.0], 2.0),  # under 4 steps: the whole range
+        ([10.0, 11.0, 12.0, 40.0], 2.0),  # one descheduled step dropped
+        ([10.0, 11.0, 12.0, 1.0], 2.0),  # a fast outlier too
+        ([10.0, 11.0, 30.0, 40.0, 12.0], 20.0),  # only the one farthest: two slow steps stay wide
+    ],
+)
+def test_noise_drops_only_the_one_step_farthest_from_the_median(values, expected):
+    assert explain.spread(values) == pytest.approx(expected)

@@ -16,12 +16,14 @@ scope `moe_perf.experts` around the experts' forward; backward ops have no scope
 and are matched to their forward op through the profiler's autograd sequence number.
 
 Steps are split at the profiler's `ProfilerStep#N` markers, the first profiled step dropped
-(when 3 or more). A category's noise is the widest per-step range (max - min) of either arm,
-and never less than NOISE_FLOOR of the base arm's profiled step: on an H200 the per-step range
-of a GEMM category is about a microsecond, and a change that small is not a move. On a CPU the
-floor is higher (NOISE_FLOOR_CPU): op times there move with the load and clock of a shared
-machine between processes more than within one, so two arms can each be steady and still sit
-a percent apart in an A/A run.
+(when 3 or more). A category's noise is the wider per-step range (max - min) of the two arms,
+each without its one step farthest from its median once it has 4 or more (one descheduled
+step or GC pause would otherwise hide a move of every other step), and never less than
+NOISE_FLOOR of the base arm's profiled step: on an H200 the per-step range of a GEMM category
+is about a microsecond, and a change that small is not a move. On a CPU the floor is higher
+(NOISE_FLOOR_CPU): op times there move with the load and clock of a shared machine between
+processes more than within one, so two arms can each be steady and still sit a few percent
+apart in an A/A run.
 The runner never imports torch: traces are JSON.
 """
 
@@ -39,7 +41,7 @@ EXPLAIN_STEPS = 4
 EXPERT_SCOPE = "moe_perf.experts"
 TOP_CHANGES = 10
 NOISE_FLOOR = 0.005  # of the base arm's profiled step: smaller changes are never called moves
-NOISE_FLOOR_CPU = 0.02  # the same on a CPU trace
+NOISE_FLOOR_CPU = 0.03  # the same on a CPU trace
 
 CATEGORIES = (  # key, label; the order of the tables
     ("dense_gemm", "dense GEMM"),
@@ -413,14 +415,24 @@ def _why_missing(record: dict, arm_dir: Path) -> str:
 # ---- both arms -------------------------------------------------------------------------------
 
 
+def spread(values: list[float]) -> float:
+    """The per-step range, without the one step farthest from the median once there are 4 or
+    more: a single descheduled step must not hide a move that every other step shows."""
+    if len(values) >= 4:
+        mid = statistics.median(values)
+        values = sorted(values, key=lambda v: abs(v - mid))[:-1]
+    return max(values) - min(values)
+
+
 def _arm_summary(runs: list[dict]) -> dict:
-    """Runs of one arm: medians of run medians; the per-step range over all runs (noise)."""
+    """Runs of one arm: medians of run medians; the per-step spread over all runs (noise)."""
     ok = [r for r in runs if "missing" not in r]
 
     def over_runs(series: list[list[float]]) -> dict:
         medians = [statistics.median(s) for s in series if s]
         values = [v for s in series for v in s]
-        return {"median": statistics.median(medians), "min": min(values), "max": max(values)}
+        return {"median": statistics.median(medians), "min": min(values), "max": max(values),
+                "spread": spread(values)}  # fmt: skip
 
     names = {n for r in ok for n in r["names"]}
     zeros = [[0.0] * len(r["step_ms"]) for r in ok]
@@ -496,7 +508,7 @@ def _differences(base: dict, feat: dict) -> dict:
         delta = f["median"] - b["median"]
         steps_known = all(a["per_step"] and len(a["step_values"]) > 1 for a in (base, feat))
         floor = noise_floor(base) * base["step_ms"]["median"]
-        noise = max(b["max"] - b["min"], f["max"] - f["min"], floor) if steps_known else None
+        noise = max(b["spread"], f["spread"], floor) if steps_known else None
         rows.append({
             "category": key, "label": label, "base_ms": b["median"], "feat_ms": f["median"],
             "delta_ms": delta,
@@ -584,8 +596,9 @@ def _category_table(section: dict) -> list[str]:
     lines.append(f"| profiled step | {_ms(b)} | {_ms(f)} | {_ms(f - b, True)} | {pct} | |")
     lines.append("")
     lines.append(
-        "`*`: the difference is larger than the category's noise (the widest "
-        f"per-step range of either arm, at least {noise_floor(base):.1%} of the base step)."
+        "`*`: the difference is larger than the category's noise (the wider per-step range "
+        "of the two arms, each without its step farthest from its median, at least "
+        f"{noise_floor(base):.1%} of the base step)."
     )
     return lines
 
