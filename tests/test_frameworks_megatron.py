@@ -82,6 +82,7 @@ def test_every_preset_command_is_accepted_and_validated_by_megatron(
         t.sequence_length, t.global_batch, t.micro_batch, t.max_steps)  # fmt: skip
     assert args.moe_router_force_load_balancing and args.mock_data and args.log_throughput
     assert args.log_interval == 1 and args.bf16
+    assert args.attention_dropout == 0.0 and args.hidden_dropout == 0.0
     # no evaluation, but an interval: Megatron sizes its validation split with it
     assert args.eval_iters == 0 and args.train_iters // args.eval_interval >= 1
     # validate_args asks the CUDA device for its architecture (grouped GEMM needs sm80+, CP's
@@ -166,3 +167,12 @@ def test_local_layers_turn_persist_layer_norm_off():
     te = megatron_argv(composed("model=qwen3-30b-a3b"))
     assert flag(te, "--transformer-impl") == "transformer_engine"
     assert "--no-persist-layer-norm" not in te
+
+
+def test_no_dropout_as_in_the_presets_and_the_reference_trainer():
+    """Megatron's defaults drop 10% of attention probabilities and hidden states (Megatron-LM
+    d98e8a6 printed attention_dropout 0.1, hidden_dropout 0.1 for the command without these)."""
+    for model in MODELS:
+        argv = megatron_argv(composed(f"model={model}"))
+        assert float(flag(argv, "--attention-dropout")) == 0.0
+        assert float(flag(argv, "--hidden-dropout")) == 0.0

@@ -97,6 +97,10 @@ def model_flags(m: Any, seq_len: int) -> list[str]:
         "--swiglu",
         "--disable-bias-linear",
         "--untie-embeddings-and-output-weights",
+        # none of the presets trains with dropout (nor does the reference trainer); Megatron's
+        # default is 0.1 on attention probabilities and hidden states
+        "--attention-dropout", "0",
+        "--hidden-dropout", "0",
         "--max-position-embeddings", str(seq_len),
         # --mock-data with no tokenizer files: the vocabulary size alone sizes the embedding
         "--tokenizer-type", "NullTokenizer",
