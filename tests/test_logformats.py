@@ -210,6 +210,37 @@ def test_megatron_skipped_iterations_are_flagged_and_not_counted():
     assert any("skipped iterations" in d and "3" in d for d in parsed.derivations)
 
 
+def h200_megatron(stamp: str, step: int, ms: float, tflops: float) -> str:
+    """A line as Megatron-LM d98e8a6 printed it on an H200 (qwen3-30b-a3b, 2 layers)."""
+    return (
+        f"[default0]: [2026-12-04 19:05:{stamp}] iteration {step:8d}/      10 | consumed "
+        f"samples: {8 * step:12d} | elapsed time per iteration (ms): {ms:.1f} | throughput per "
+        f"GPU (TFLOP/s/GPU): {tflops:.1f} | learning rate: 2.700000E-04 | global batch size:     8 "
+        f"| lm loss: 1.234171E+01 | loss scale: 1.0 | grad norm: 2.171 | number of skipped "
+        f"iterations:   0 | number of nan iterations:   0 |"
+    )
+
+
+def test_megatron_step_2_printed_as_the_mean_with_step_1_gets_its_own_time_back():
+    """Megatron-LM d98e8a6 does not reset its interval timer after iteration 1's line: step 2
+    printed 2226.1 ms, the mean of 3537.9 ms and its own 914 ms (the lines' timestamps)."""
+    lines = [h200_megatron("28.634069", 1, 3537.9, 12.3),
+             h200_megatron("29.548264", 2, 2226.1, 19.5),
+             h200_megatron("30.346706", 3, 798.4, 54.3)]  # fmt: skip
+    parsed = parse_lines(lines, "megatron", RunShape(8, 2048, 1))
+    step1, step2, step3 = parsed.steps
+    assert step2["step_time_s"] == pytest.approx(2 * 2.2261 - 3.5379)  # 0.9143 s
+    assert step2["step_time_s"] == pytest.approx(29.548264 - 28.634069, rel=1e-3)
+    assert step2["tokens_per_s"] == pytest.approx(8 * 2048 / step2["step_time_s"])
+    assert step2["tflops"] == pytest.approx(19.5 * 2.2261 / step2["step_time_s"])
+    assert (step1["step_time_s"], step3["step_time_s"]) == (3.5379, 0.7984)  # as printed
+    assert any("mean over iterations 1-2" in d for d in parsed.derivations)
+    # a Megatron that resets its timer prints the timestamps' time: left as printed
+    reset = parse_lines([lines[0], h200_megatron("29.548264", 2, 914.2, 47.5)], "megatron")
+    assert reset.steps[1]["step_time_s"] == pytest.approx(0.9142)
+    assert not any("mean over" in d for d in reset.derivations)
+
+
 def test_megatron_bridge_memory_in_decimal_gigabytes():
     parsed = parse_lines([megatron(1, 900.0), NEMO_MEMORY, megatron(2, 800.0)], "megatron")
     assert parsed.steps[1]["peak_mem_gib"] == pytest.approx(216.89e9 / 2**30)

@@ -350,6 +350,34 @@ def _combine(raws: list[dict]) -> dict:
     }
 
 
+def _undo_megatron_first_average(combined: list[dict], used: set[str]) -> None:
+    """Megatron-LM (main of 2026-08, d98e8a6) prints iteration 1 without resetting its interval
+    timer, so its next line's time per iteration is the mean over iterations 1..k, step 1's
+    start-up included: on an H200, step 2 printed 2226 ms, 914 ms by the two lines' timestamps,
+    with step 1 at 3538 ms. Where the timestamps say so (the printed time within 2% of that mean,
+    not of the timestamps' own time per step), the step gets its own time back, (k*t_k - t_1) /
+    (k - 1), and its TFLOP/s (printed from the same mean) with it. Megatron-LM versions that
+    reset the timer after iteration 1 print the timestamps' time and are left as printed."""
+    if len(combined) < 2 or combined[0]["step"] != 1:
+        return
+    first, cur = combined[0], combined[1]
+    t1, printed, k = first["step_time_s"], cur["step_time_s"], cur["step"]
+    if None in (t1, printed, first["timestamp"], cur["timestamp"]):
+        return
+    by_timestamps = (cur["timestamp"] - first["timestamp"]) / (k - 1)
+    mean_with_step1 = (t1 + by_timestamps * (k - 1)) / k
+    near = 0.02 * printed
+    if abs(printed - mean_with_step1) > near or abs(printed - by_timestamps) <= near:
+        return
+    own = _positive((k * printed - t1) / (k - 1))
+    if own is None:
+        return
+    cur["step_time_s"] = own
+    if cur["tflops"] is not None:
+        cur["tflops"] = cur["tflops"] * printed / own
+    used.add("megatron_first_average")
+
+
 @dataclass
 class ParsedLog:
     log_format: str
@@ -548,6 +576,8 @@ class LogReader:
             return ParsedLog("contract", steps, repeats, self.env, [], len(steps), self.problems)
         used: set[str] = set()
         combined = [_combine(self._raws[k]) for k in sorted(self._raws)]
+        if self.log_format == "megatron":
+            _undo_megatron_first_average(combined, used)
         skipped = [c["step"] for c in combined if c["skipped"]]
         steps, prev = [], None
         for cur in combined:
@@ -588,6 +618,13 @@ class LogReader:
             notes.append(
                 "step_time_s derived from the lines' timestamps (delta time / delta "
                 "step); the first step has none"
+            )
+        if "megatron_first_average" in used:
+            k = combined[1]["step"]
+            notes.append(
+                f"step {k}: Megatron printed the mean over iterations 1-{k} (its interval timer "
+                f"is not reset after iteration 1, as the lines' timestamps show); step {k}'s own "
+                f"time is ({k} x printed - step 1's) / {k - 1}, its TFLOP/s scaled to match"
             )
         if "tps_from_shape" in used:
             notes.append(
