@@ -16,6 +16,9 @@ and the compile-cache counters. Everything is written to OUT_DIR/startup.json as
 runs it on a CPU); `--env KEY=VALUE` adds to the environment of every run (and so of the
 trainer), e.g. `--env TORCHINDUCTOR_COMPILE_THREADS=1` to see what inductor's compile-worker
 pool, started by the first compile even when every graph then loads from the cache, costs.
+`--cache DIR` keeps the compile cache elsewhere than OUT_DIR/cache, and `--warm` leaves it as
+it is (run 1 is then warm too: several benches can share one cache, e.g. a variant measured
+against the caches its baseline filled).
 """
 
 from __future__ import annotations
@@ -52,12 +55,13 @@ def scratch_repo() -> Path:
     return repo
 
 
-def one_run(i: int, repo: Path, out: Path, overrides: dict[str, str], extra_env: dict) -> dict:
+def one_run(i: int, repo: Path, out: Path, cache: Path, overrides: dict[str, str],
+            extra_env: dict) -> dict:  # fmt: skip
     run_dir = out / f"run{i}"
     shutil.rmtree(run_dir, ignore_errors=True)
     argv = [sys.executable, "-m", "moe_perf", f"repo={repo}", "arm=base",
             *(f"{k}={v}" for k, v in overrides.items()),
-            f"compile_cache={out / 'cache'}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+            f"compile_cache={cache}", f"hydra.run.dir={run_dir}"]  # fmt: skip
     env = {
         **os.environ,
         **extra_env,
@@ -116,6 +120,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--cache", type=Path, help="the compile cache (default OUT_DIR/cache)")
+    parser.add_argument("--warm", action="store_true", help="do not empty the cache first")
     args = parser.parse_args()
     overrides = dict(SHAPES)
     for item in args.set:
@@ -124,7 +130,9 @@ def main() -> None:
     extra_env = dict(item.partition("=")[::2] for item in args.env)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out / "cache", ignore_errors=True)  # run 1 is cold
+    cache = (args.cache or out / "cache").resolve()
+    if not args.warm:
+        shutil.rmtree(cache, ignore_errors=True)  # run 1 is cold
     repo = scratch_repo()
     print("overrides: " + " ".join(f"{k}={v}" for k, v in overrides.items()))
     if extra_env:
@@ -132,13 +140,12 @@ def main() -> None:
     results = []
     try:
         for i in range(1, args.runs + 1):
-            results.append(one_run(i, repo, out, overrides, extra_env))
+            results.append(one_run(i, repo, out, cache, overrides, extra_env))
             show(i, results[-1])
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
-    (out / "startup.json").write_text(
-        json.dumps({"overrides": overrides, "env": extra_env, "runs": results}, indent=1) + "\n"
-    )
+    info = {"overrides": overrides, "env": extra_env, "cache": str(cache), "warm_start": args.warm}
+    (out / "startup.json").write_text(json.dumps({**info, "runs": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

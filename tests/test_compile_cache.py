@@ -51,6 +51,10 @@ def test_the_second_arm_loads_unchanged_graphs_and_recompiles_the_changed_one(tm
     assert b.get("fxgraph_cache_hit", 0) == 0 and b["fxgraph_cache_miss"] > 0  # cold
     assert f["fxgraph_cache_hit"] > 0  # the unchanged layer graphs, from base's entries
     assert 0 < f["fxgraph_cache_miss"] < b["fxgraph_cache_miss"]  # the changed loss only
+    # AOTAutograd's entries too, the MoE graphs with the trainer's custom autograd Functions
+    # included (runtime.cache_custom_autograd_functions): none bypassed, feat loads them
+    assert b.get("autograd_cache_bypass", 0) == f.get("autograd_cache_bypass", 0) == 0
+    assert f["autograd_cache_hit"] > 0
     assert (cache / "inductor").is_dir()
     # the start-up timeline is in order, and the console names the cache and its counts
     marks = list(feat["startup_marks_s"].values())
@@ -69,3 +73,74 @@ def test_auto_is_one_directory_per_repository_shared_by_its_worktrees(tmp_path, 
     assert mine.parent == tmp_path / "xdg" / "moe_perf" / "compile"
     assert mine.name.startswith("repo-")
     assert compile_cache.cache_dir("off", repo) is None
+
+
+# A custom autograd.Function whose backward an arm changes; the trainer's dispatch.py and
+# balance.py Functions are of this kind (identity-like forward, a backward of their own).
+CUSTOM_FUNCTION = """
+import torch
+
+
+class Scale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * FACTOR
+
+
+def loss(x):
+    return Scale.apply(x.sin()).sum()
+"""
+
+
+def _compiled_grad(tmp_path: Path, name: str, factor: float):
+    """Compile and run `loss` of a module written in its own directory (one arm's code), dynamo
+    reset before and after; checks the gradient, returns this compile's AOTAutograd cache counters
+    (hit, miss, saved, bypass)."""
+    import importlib.util
+
+    import torch
+    from torch._dynamo.utils import counters
+
+    src = tmp_path / name / "custom_function.py"
+    src.parent.mkdir()
+    src.write_text(CUSTOM_FUNCTION.replace("FACTOR", repr(factor)))
+    spec = importlib.util.spec_from_file_location("custom_function", src)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.linspace(-1.0, 1.0, 16, requires_grad=True)
+    torch.compile(module.loss)(x).backward()
+    aot = {k.removeprefix("autograd_cache_"): v for k, v in counters["aot_autograd"].items()
+           if k.startswith("autograd_cache_")}  # fmt: skip
+    torch._dynamo.reset()
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()) * factor)  # this arm's backward ran
+    return aot
+
+
+def test_a_graph_with_a_custom_autograd_function_is_cached_and_misses_when_its_backward_changes(
+    tmp_path, monkeypatch
+):
+    from torch._functorch import config
+
+    from moe_perf.trainer import runtime
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    monkeypatch.setattr(config, "autograd_cache_allow_custom_autograd_functions", False)
+    # torch's default: such a graph bypasses AOTAutograd's cache (retraced by every arm)
+    assert _compiled_grad(tmp_path, "default", 3.0).get("bypass", 0) > 0
+
+    runtime.cache_custom_autograd_functions()  # what a compiled reference arm does
+    assert config.autograd_cache_allow_custom_autograd_functions
+    first = _compiled_grad(tmp_path, "base", 3.0)
+    assert first.get("bypass", 0) == 0 and first["miss"] > 0 and first["saved"] > 0
+    same = _compiled_grad(tmp_path, "feat-same-code", 3.0)  # another worktree, same code
+    assert same["hit"] > 0 and same.get("miss", 0) == 0
+    changed = _compiled_grad(tmp_path, "feat-backward-changed", 5.0)  # gradient checked: 5x
+    assert changed["miss"] > 0 and changed.get("hit", 0) == 0

@@ -11,7 +11,9 @@ torch's own source files (so another torch version misses), and, under a
 `<system hash>` directory, the GPU's name and the CUDA and Triton versions; AOTAutograd's key
 wraps the same details, and Triton keys a kernel by its source, the Triton version and the
 target architecture. An arm whose model code changed therefore recompiles the graphs that
-changed and loads the rest; dynamo still traces every arm (its bytecode is not cached).
+changed and loads the rest; dynamo still traces every arm (its bytecode is not cached). The
+reference trainer also lets AOTAutograd cache the graphs that hold its custom autograd
+Functions, which torch leaves out by default (trainer/runtime.py, cache_custom_autograd_functions).
 """
 
 from __future__ import annotations

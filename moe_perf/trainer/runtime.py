@@ -57,6 +57,22 @@ def compile_counters() -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
+def cache_custom_autograd_functions() -> None:
+    """Let AOTAutograd's cache keep graphs that hold a custom autograd.Function (before the
+    first compile). torch bypasses them by default, so every compiled arm re-traced and
+    re-partitioned the MoE layer's forward and backward (dispatch.py's permutations, the
+    balance loss's attachment) even when inductor's FX-graph cache had all its kernels.
+
+    Reuse stays exact: dynamo traces a Function's forward and backward into subgraphs of the
+    graph it hands AOTAutograd, and the cache key pickles that graph with its subgraphs' code,
+    so an arm whose Function changed (forward or backward) misses (tests/test_compile_cache.py).
+    The trainer's Functions hold nothing outside their inputs and the constants the graphs
+    carry (dispatch.py, balance.py, cp.py)."""
+    from torch._functorch import config
+
+    config.autograd_cache_allow_custom_autograd_functions = True
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -42,6 +42,7 @@ from moe_perf.trainer.runtime import (
     Timeline,
     TrainerError,
     apply_fp8,
+    cache_custom_autograd_functions,
     compile_counters,
     environment,
     init_distributed,
@@ -121,6 +122,8 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     if cfg.dtype.fp8 or cfg.dtype.name == "fp8":
         apply_fp8(model, device)
     timeline.mark("model_on_meta")
+    if cfg.trainer.compile:
+        cache_custom_autograd_functions()
     parts, pipe = distribute(model, par, cfg)  # allocates, initialises, wraps in compile
     timeline.mark("parallelized")
     for part in parts:
