@@ -12,8 +12,9 @@
 # measured here with CUDA events on an idle GPU. Each sweep directory lands in OUT_DIR (records,
 # console logs, comparison.md); bench.txt there collects the comparisons. SWEEPS picks the sweeps:
 # `smoke` (one arm of 3 steps, nothing compared), `mlm_aa`, `mlm_planted` (default: the last two).
-# STEPS, LAYERS, GLOBAL_BATCH, MICRO_BATCH change the shapes; EXTRA adds overrides (word-split,
-# e.g. EXTRA=dry_run=true); CYCLES skips the calibration (no GPU needed for a dry run).
+# STEPS, LAYERS, GLOBAL_BATCH, MICRO_BATCH change the shapes; REPEATS runs each arm of a compared
+# sweep several times, interleaved (REPEATS=0,1,2; default 0: one run per arm); EXTRA adds overrides
+# (word-split, e.g. EXTRA=dry_run=true); CYCLES skips the calibration (no GPU needed for a dry run).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)  # bench/, before any cd
 
@@ -23,6 +24,7 @@ PLANT_MS=${3:-30}
 PY=${PYTHON:-python3}
 STEPS=${STEPS:-10}
 LAYERS=${LAYERS:-2}
+REPEATS=${REPEATS:-0}
 
 WORK=$(mktemp -d)
 REPO=$WORK/megatron-lm
@@ -68,8 +70,9 @@ SHAPES=(repo="$REPO" trainer=megatron model=qwen3-30b-a3b "model.num_layers=$LAY
 
 sweep() {  # name, overrides...
   local name=$1; shift
-  echo "== $name: python -m moe_perf $* -m arm=base,feat" | tee -a "$OUT/bench.txt"
-  "$PY" -m moe_perf "$@" "hydra.sweep.dir=$OUT/$name" -m arm=base,feat 2>&1 | tee "$OUT/$name.log" || true
+  echo "== $name: python -m moe_perf $* -m repeat=$REPEATS arm=base,feat" | tee -a "$OUT/bench.txt"
+  "$PY" -m moe_perf "$@" "hydra.sweep.dir=$OUT/$name" -m "repeat=$REPEATS" arm=base,feat 2>&1 \
+    | tee "$OUT/$name.log" || true
   cat "$OUT/$name/comparison.md" >> "$OUT/bench.txt" 2>/dev/null || echo "(no comparison)" >> "$OUT/bench.txt"
 }
 

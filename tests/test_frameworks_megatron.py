@@ -10,6 +10,8 @@ still checked flag by flag.
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -176,3 +178,32 @@ def test_no_dropout_as_in_the_presets_and_the_reference_trainer():
         argv = megatron_argv(composed(f"model={model}"))
         assert float(flag(argv, "--attention-dropout")) == 0.0
         assert float(flag(argv, "--hidden-dropout")) == 0.0
+
+
+@pytest.mark.slow
+def test_bench_script_plants_the_spin_before_the_optimizer_step_and_interleaves_repeats(tmp_path):
+    """bench/bench_megatron.sh on a stand-in tree with train_step's optimizer.step() line, as a
+    dry run (CYCLES given, so no GPU): the planted branch spins right before that line, and
+    REPEATS=0,1 runs base, feat, base, feat."""
+    tree = tmp_path / "mlm"
+    (tree / "megatron/training").mkdir(parents=True)
+    (tree / "pretrain_gpt.py").write_text("")
+    (tree / "megatron/training/arguments.py").write_text("")
+    step = "        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()\n"
+    (tree / "megatron/training/training.py").write_text(f"def train_step():\n{step}")
+    env = {**os.environ, "CYCLES": "1234", "REPEATS": "0,1", "SWEEPS": "mlm_planted",
+           "EXTRA": "dry_run=true", "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}  # fmt: skip
+    out = tmp_path / "out"
+    run = subprocess.run(["bash", str(ROOT / "bench/bench_megatron.sh"), str(tree), str(out), "30"],
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    bench = (out / "bench.txt").read_text()
+    assert "30 ms = 1234 spin cycles" in bench
+    repo = re.search(r"megatron-lm repo: (\S+) ", bench).group(1)
+    planted = subprocess.run(["git", "-C", repo, "show", "planted:megatron/training/training.py"],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert planted.endswith(
+        "        torch.cuda._sleep(1234)  # moe_perf bench: planted slowdown\n" + step
+    )
+    jobs = re.findall(r"#\d+ : .*? repeat=(\d) arm=(\w+)", run.stdout)
+    assert jobs == [("0", "base"), ("0", "feat"), ("1", "base"), ("1", "feat")]
