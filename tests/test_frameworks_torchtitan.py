@@ -10,8 +10,11 @@ config says. torchtitan cannot train on CPU, so the run itself is a GPU check (b
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,6 +167,78 @@ def test_registry_cli_command_for_a_03_tree(tmp_path):
                                        "--num-layers": "4", "--float8": ""}  # fmt: skip
     assert "--training.disable_cuda_graphs" in args
     assert "--dataloader.dataset" in args and "--hf_assets_path" in args
+    assert args[-1] == "activation-checkpoint:none"  # a subcommand of 0.3's CLI: last
+    ep_only = TorchTitan().launch(composed("model=qwen3-30b-a3b", "mesh=ep4"), tmp_path / "arm",
+                                  tmp_path / "c.yaml", tmp_path)  # fmt: skip
+    assert "--training.disable_cuda_graphs" in titan_args(ep_only.argv)
+
+
+# torchtitan 0.3 in CI would need its data pipeline (datasets, pyarrow, torchdata), fla,
+# torchvision and more, all imported by its config registry: this check runs where they are
+TITAN_03 = os.environ.get("MOE_PERF_TORCHTITAN_03")
+PARSE_03 = """
+import json, sys
+from moe_perf.titan_entry import register_config
+out = []
+for ours, args in json.load(sys.stdin):
+    register_config(ours["--model"], ours["--base"], ours["--as"], int(ours["--num-layers"]),
+                    "--float8" in ours, False)
+    from torchtitan.config import ConfigManager
+    job = ConfigManager().parse_args(args)
+    p, t = job.parallelism, job.training
+    out.append({"degrees": [p.pipeline_parallel_degree, p.context_parallel_degree,
+                            p.expert_parallel_degree, p.data_parallel_shard_degree,
+                            p.tensor_parallel_degree],
+                "seq": t.seq_len, "steps": t.steps, "global": t.global_batch_size,
+                "local": t.local_batch_size, "micro": p.pipeline_parallel_microbatch_size,
+                "no_graphs": t.disable_cuda_graphs, "ac": job.activation_checkpoint is None,
+                "balance": job.debug.moe_force_load_balance, "log_freq": job.metrics.log_freq,
+                "layers": len(job.model_spec.model.layers), "dump": job.dump_folder})
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    not TITAN_03,
+    reason="MOE_PERF_TORCHTITAN_03 is not set: point it (a PYTHONPATH) at torchtitan 0.3.0 and "
+    "what its config imports (pip install --no-deps --target DIR torchtitan==0.3.0 "
+    "spmd_types==0.2.3 torch_checkpointing tensorboard absl-py fla-core einops safetensors "
+    "torchdata, plus "
+    "'datasets<4.8,>=3.6' with its dependencies)",
+)
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_preset_command_is_accepted_by_torchtitan_03s_own_parser(model, tmp_path):
+    """0.3's ConfigManager, after the derived config our entry registers, reads every mesh's
+    command; its own checks run too (CUDA graphs refused under PP and EP, batch arithmetic)."""
+    tree = tmp_path / "titan03"  # the CLI is read from the arm's files, as in a 0.3 worktree
+    for path in ("torchtitan/trainer.py", "torchtitan/config/manager.py"):
+        (tree / path).parent.mkdir(parents=True, exist_ok=True)
+        (tree / path).write_text("")
+    cfgs = [composed(f"model={model}", f"mesh={m}", "model.num_layers=4") for m in MESHES]
+    launches = [TorchTitan().launch(c, tmp_path / "arm", tmp_path / "c.yaml", tree) for c in cfgs]
+    job = json.dumps([[entry_args(la.argv), titan_args(la.argv)] for la in launches])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([TITAN_03, str(ROOT)])}
+    run = subprocess.run([sys.executable, "-c", PARSE_03], input=job, env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    if run.returncode and "torchtitan/models/" in run.stderr and "Error" in run.stderr:
+        last = run.stderr.strip().splitlines()[-1]
+        if "does not exist" in last or "No module named" in last:  # a model's own import
+            pytest.skip(f"torchtitan 0.3's {MODELS[model].name} does not import here: {last}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    for cfg, got in zip(cfgs, json.loads(run.stdout), strict=True):
+        m, t = cfg.mesh, cfg.training
+        dp = m.nnodes * m.nproc_per_node // (m.pp * m.cp)
+        assert got["degrees"] == [m.pp, m.cp, m.ep, -1, 1], m
+        assert (got["seq"], got["steps"], got["global"]) == (
+            t.sequence_length, t.max_steps, t.global_batch)  # fmt: skip
+        if m.pp > 1:
+            assert (got["local"], got["micro"]) == (t.global_batch // dp, t.micro_batch)
+        else:
+            assert got["local"] == t.micro_batch
+        if m.pp > 1 or m.ep > 1:  # else the config's own choice stands
+            assert got["no_graphs"] is True
+        assert got["ac"] and got["balance"] is True and got["log_freq"] == 1
+        assert got["layers"] == 4 and got["dump"] == str(tmp_path / "arm" / "torchtitan")
 
 
 # --- preflight: the checks that read the arm's commit --------------------------------------

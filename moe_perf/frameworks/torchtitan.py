@@ -195,8 +195,10 @@ def registry_cli_argv(cfg: Any, model: TitanModel, config: str, arm_dir: Path) -
         *training_flags(cfg),
         *parallelism_flags(cfg),
     ]  # fmt: skip
-    if int(cfg.mesh.pp) > 1:
-        argv.append("--training.disable_cuda_graphs")  # 0.3 refuses PP with CUDA graphs on
+    if int(cfg.mesh.pp) > 1 or int(cfg.mesh.ep) > 1:
+        # 0.3 captures CUDA graphs by default and refuses them under PP, and under EP with its
+        # default all-to-all dispatcher (it synchronizes with the host)
+        argv.append("--training.disable_cuda_graphs")
     return argv
 
 
@@ -311,6 +313,12 @@ class TorchTitan:
             argv = registry_cli_argv(cfg, model, name, arm_dir)
         argv += profiling_flags(cfg, arm_dir)
         argv += [str(arg) for arg in cfg.trainer.get("extra_args") or []]
+        if cli == REGISTRY_CLI:
+            # 0.3's activation checkpointing is a subcommand of its CLI (tyro), last on the line;
+            # its model configs default to selective or full, which the config did not ask for
+            argv.append(
+                f"activation-checkpoint:{cfg.trainer.get('activation_checkpointing') or 'none'}"
+            )
         if name == base:
             entry = ["-m", "torchtitan.train"]
         else:  # register the derived flavor in-process, then torchtitan's own main
