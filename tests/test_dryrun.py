@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from conftest import SMALL_RUN, git, moe_perf, sweep_dir
 
 
@@ -12,7 +14,10 @@ def test_dry_run_prints_both_arms_and_launches_nothing(ab_repo):
     out = result.stdout
     for arm in ("base", "feat"):
         command = next(line for line in out.splitlines() if f"{arm}: command " in line)
-        assert "torch.distributed.run" in command and "-m mytrainer" in command
+        # one process: the trainer alone, with torchrun's environment for rank 0 of 1
+        assert command.split(" command ", 1)[1].startswith(f"{sys.executable} -m mytrainer ")
+        env = next(line for line in out.splitlines() if f"{arm}: env " in line)
+        assert "RANK=0" in env and "WORLD_SIZE=1" in env and "MASTER_PORT=" in env
         cwd = next(line for line in out.splitlines() if f"{arm}: cwd " in line)
         assert shas[arm][:10] in cwd  # each arm's command is built from its own commit
         assert f"{arm}: dry run, nothing launched" in out

@@ -115,7 +115,7 @@ def test_one_arm_says_nothing_was_compared_and_how_to_compare(ab_repo):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     assert "arm 1/1: base: main @ " in out
-    assert "base: starting: torchrun with 1 rank, OMP_NUM_THREADS=1 each" in out
+    assert "base: starting: one process, no torchrun: 1 rank, OMP_NUM_THREADS=1 each" in out
     assert re.search(r"\[base\] step 2/4 .* elapsed \d+:\d\d  ETA \d+:\d\d", out), out
     assert re.search(r"\[base\] step 1/4 .* ETA <\d+:\d\d", out), out  # an upper bound
     assert re.search(r"\[base\] step 4/4 .* elapsed \d+:\d\d$", out, re.M), out  # nothing left

@@ -1,6 +1,7 @@
 """Why a launch failed, read from its console output: the trainer's own exit code as torchrun
-reports it, and the one line that says what went wrong (out of memory with the allocation,
-an NCCL error or timeout, the last exception).
+reports it (or as the trainer exited, when it ran alone without torchrun), and the one line
+that says what went wrong (out of memory with the allocation, an NCCL error or timeout, the
+last exception).
 
 torchrun exits 1 whenever a worker fails; its error summary names the root cause::
 
@@ -16,6 +17,7 @@ the worker's exception is told apart from torchrun's ChildFailedError.
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 
 _ROOT_CAUSE_RE = re.compile(
@@ -78,20 +80,35 @@ def reason_in(lines: list[str]) -> str | None:
     return _short(exceptions[-1]) if exceptions else None
 
 
-def read_failure(console: str) -> LaunchFailure:
-    """What torchrun and the workers said about a failed launch (fields None where silent)."""
+def read_failure(console: str, own_exit: int | None = None) -> LaunchFailure:
+    """What torchrun and the workers said about a failed launch (fields None where silent).
+
+    `own_exit`: the exit status of a trainer launched alone, without torchrun (rank 0; a
+    negative status is the signal that killed it)."""
     root = _ROOT_CAUSE_RE.search(console)
     lines = worker_lines(console) or console.splitlines()
     reason = reason_in(lines)
-    if root is None:
+    if root is not None:
+        rank, code, sig = int(root.group(1)), int(root.group(2)), root.group(4)
+    elif own_exit is not None:
+        rank, code, sig = 0, own_exit, _signal_name(own_exit)
+    else:
         return LaunchFailure(None, None, None, reason)
-    rank, code, sig = int(root.group(1)), int(root.group(2)), root.group(4)
     if sig == "SIGKILL" and reason is None:
         reason = (
             "the kernel's out-of-memory killer sends SIGKILL when the host runs out of memory "
             "(see `dmesg`)"
         )
     return LaunchFailure(code, rank, sig, reason)
+
+
+def _signal_name(exit_code: int) -> str | None:
+    if exit_code >= 0:
+        return None
+    try:
+        return signal.Signals(-exit_code).name
+    except ValueError:
+        return None
 
 
 def describe(exit_code: int | None, failure: LaunchFailure) -> str:

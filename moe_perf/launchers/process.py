@@ -222,15 +222,17 @@ def run_trainer(
     log_format: str = "contract",
     shape: RunShape | None = None,
     repo: Path | None = None,
+    one_process: bool = False,
 ) -> LaunchResult:
     """Run one arm's launch to the end, saving its output in `<arm_dir>/console.log`.
 
     `env` is added to the runner's environment; `failure_reason(exit_code, console_tail)` is
     the launcher's reading of a failed launch; `log_format` is how the trainer prints its
     steps (report/logformats.py) and `shape` lets its figures be normalized; `repo` marks the
-    launch's processes as the repository's (orphans.py). KeyboardInterrupt (Ctrl-C, or SIGTERM
-    turned into one by the caller) stops every process of the launch and is re-raised once
-    they are all gone.
+    launch's processes as the repository's (orphans.py); `one_process`: the trainer is the
+    launch's only process (no torchrun), rank 0, its exit status its own. KeyboardInterrupt
+    (Ctrl-C, or SIGTERM turned into one by the caller) stops every process of the launch and
+    is re-raised once they are all gone.
     """
     echo = echo or sys.stdout
     token = uuid.uuid4().hex
@@ -281,7 +283,7 @@ def run_trainer(
     parsed = reader.result()
     launch = LaunchFailure(None, None, None, None)
     if exit_code != 0 and not timed_out:
-        launch = read_failure(_tail(console_log, 256 * 1024))
+        launch = read_failure(_tail(console_log, 256 * 1024), exit_code if one_process else None)
     failure = failure_of(exit_code, timed_out, timeout_s, parsed, max_steps, launch)
     if failure and not timed_out and failure_reason is not None:
         failure = failure_reason(exit_code, _tail(console_log, 8000)) or failure

@@ -231,5 +231,11 @@ class SlurmLauncher:
             local, nnodes=int(cfg.mesh.nnodes), arm_label=arm_dir.name, launcher=cfg.launcher
         )
 
+    def one_process(self, cfg: Any) -> bool:
+        return False  # always torchrun in an srun step: its rendezvous spans the nodes
+
+    def env(self, cfg: Any) -> dict[str, str]:
+        return {}
+
     def failure_reason(self, exit_code: int | None, console_tail: str) -> str | None:
         return failure_reason(exit_code or 1, console_tail)

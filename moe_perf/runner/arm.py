@@ -76,7 +76,9 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict)
         )
         extra["compile_cache"] = {"dir": str(Path(inductor_dir).parent) if inductor_dir else None,
                                   "inductor_dir": inductor_dir}  # fmt: skip
-        say(starting_line(label, threads, bool(cfg.trainer.get("compile", False))))
+        one_process = launcher.one_process(cfg)
+        compiled = bool(cfg.trainer.get("compile", False))
+        say(starting_line(label, threads, compiled, torchrun=not one_process))
         return run_trainer(
             launcher.argv(cfg, job.arm_dir, trainer.argv),
             cwd=worktree,
@@ -85,8 +87,9 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict)
             timeout_s=float(cfg.timeout_s),
             kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
             max_steps=int(cfg.training.max_steps),
-            env={**threads.env, **trainer.env},
+            env={**threads.env, **launcher.env(cfg), **trainer.env},
             failure_reason=launcher.failure_reason,
+            one_process=one_process,
             log_format=trainer.log_format,
             shape=RunShape.of_config(cfg),
             repo=Path(sweep.repo),

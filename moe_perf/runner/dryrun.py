@@ -52,8 +52,9 @@ def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
     config_path = job.arm_dir / "config.yaml"
     with git.worktree(sweep.repo, sweep.shas[arm], f"dryrun-{label}") as worktree:
         trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
-        argv = launchers.get(cfg).argv(cfg, job.arm_dir, trainer.argv)
-        env = added_env(trainer.env, worktree, job.arm_dir)
+        launcher = launchers.get(cfg)
+        argv = launcher.argv(cfg, job.arm_dir, trainer.argv)
+        env = added_env({**launcher.env(cfg), **trainer.env}, worktree, job.arm_dir)
         argv = [part.replace(str(worktree), WORKTREE) for part in argv]
     env[LAUNCH_TOKEN_ENV] = "<launch id>"
     plan = {

@@ -118,8 +118,9 @@ def arm_count(num: int, total: int | None) -> str:
     return f"arm {num + 1}/{total}" if total else f"arm {num + 1}"
 
 
-def starting_line(label: str, threads: RankThreads, compiled: bool) -> str:
+def starting_line(label: str, threads: RankThreads, compiled: bool, torchrun: bool = True) -> str:
     """Why the next minute may be silent: start-up, model build and the first step."""
     first = "the first step compiles" if compiled else "the first step warms up"
-    return (f"{label}: starting: torchrun with {threads.describe()}; trainer start-up, model "
+    how = "torchrun with" if torchrun else "one process, no torchrun:"
+    return (f"{label}: starting: {how} {threads.describe()}; trainer start-up, model "
             f"build and {first} before step 1 prints")  # fmt: skip
