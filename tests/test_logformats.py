@@ -241,6 +241,17 @@ def test_megatron_step_2_printed_as_the_mean_with_step_1_gets_its_own_time_back(
     assert not any("mean over" in d for d in reset.derivations)
 
 
+def test_megatron_step_2_near_step_1_is_left_as_printed_whatever_the_timestamps_jitter():
+    """Steps 1 and 2 of 60.0 and 60.2 ms whose lines are 62 ms apart by their millisecond
+    timestamps: 60.2 is within 2% of the mean with step 1 and 3% off the timestamps, a jitter,
+    not an average to undo (a newcomer's run of the e2e format test read 12.3 TFLOP/s for 12.5)."""
+    lines = [h200_megatron("28.000000", 1, 60.0, 12.5), h200_megatron("28.062000", 2, 60.2, 12.5)]
+    parsed = parse_lines(lines, "megatron", RunShape(8, 2048, 1))
+    assert parsed.steps[1]["step_time_s"] == pytest.approx(0.0602)
+    assert parsed.steps[1]["tflops"] == pytest.approx(12.5)
+    assert not any("mean over" in d for d in parsed.derivations)
+
+
 def test_megatron_bridge_memory_in_decimal_gigabytes():
     parsed = parse_lines([megatron(1, 900.0), NEMO_MEMORY, megatron(2, 800.0)], "megatron")
     assert parsed.steps[1]["peak_mem_gib"] == pytest.approx(216.89e9 / 2**30)
