@@ -151,12 +151,17 @@ def test_cli_is_read_from_the_arms_own_files(tmp_path):
     assert titan_cli(ArmCode(tmp_path)) == TOML_CLI
 
 
+def registry_tree(root: Path) -> None:
+    """The files by which an arm's torchtitan is read as 0.3 (the --module/--config CLI)."""
+    for path in ("torchtitan/trainer.py", "torchtitan/config/manager.py"):
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text("")
+
+
 def test_registry_cli_command_for_a_03_tree(tmp_path):
     """0.3's --module/--config, a derived config for the cut depth and fp8 (its CLI has no
     float8 flag), CUDA graphs off under PP; checked against 0.3's own parser when installed."""
-    for path in ("torchtitan/trainer.py", "torchtitan/config/manager.py"):
-        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / path).write_text("")
+    registry_tree(tmp_path)
     cfg = composed("model=deepseek-v2-lite", "mesh=pp2_ep4", "model.num_layers=4", "dtype=fp8")
     launch = TorchTitan().launch(cfg, tmp_path / "arm", tmp_path / "c.yaml", tmp_path)
     args = titan_args(launch.argv)
@@ -211,9 +216,7 @@ def test_every_preset_command_is_accepted_by_torchtitan_03s_own_parser(model, tm
     """0.3's ConfigManager, after the derived config our entry registers, reads every mesh's
     command; its own checks run too (CUDA graphs refused under PP and EP, batch arithmetic)."""
     tree = tmp_path / "titan03"  # the CLI is read from the arm's files, as in a 0.3 worktree
-    for path in ("torchtitan/trainer.py", "torchtitan/config/manager.py"):
-        (tree / path).parent.mkdir(parents=True, exist_ok=True)
-        (tree / path).write_text("")
+    registry_tree(tree)
     cfgs = [composed(f"model={model}", f"mesh={m}", "model.num_layers=4") for m in MESHES]
     launches = [TorchTitan().launch(c, tmp_path / "arm", tmp_path / "c.yaml", tree) for c in cfgs]
     job = json.dumps([[entry_args(la.argv), titan_args(la.argv)] for la in launches])

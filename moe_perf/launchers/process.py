@@ -287,7 +287,8 @@ def run_trainer(
     failure = failure_of(exit_code, timed_out, timeout_s, parsed, max_steps, launch)
     if failure and not timed_out and failure_reason is not None:
         failure = failure_reason(exit_code, _tail(console_log, 8000)) or failure
-    # the trainer's own exit code where torchrun reported it (torchrun itself exits 1)
+    # the trainer's own exit code where torchrun reported it (torchrun itself exits 1), or as
+    # it exited when it ran alone
     trainer_code = launch.exit_code if launch.exit_code is not None else exit_code
     return LaunchResult(trainer_code, failure, parsed.steps, reader.env, round(wall_s, 3),
                         parsed.log_format, parsed.derivations, exit_code, timed_out)  # fmt: skip
