@@ -4,9 +4,10 @@ What one rank holds (moe_perf/trainer: fp32 parameters, FSDP2 over dp*cp for eve
 experts, experts sliced by ep and sharded over edp = dp*cp/ep, fused AdamW with two fp32
 states, gradients set to None between steps):
 
-* weights      4 B per local parameter (fp32 masters), plus bf16 copies where autocast or the
-               experts' cast keeps them for backward (parameters outside FSDP), or one layer's
-               all-gathered bf16 parameters (inside FSDP);
+* weights      4 B per local parameter (fp32 masters), plus bf16 copies: outside FSDP the
+               bf16 compute weights (dtype=bf16 on one data x context rank:
+               trainer/precision.py) or those autocast and the experts' cast keep for backward
+               (fp8), inside FSDP one layer's all-gathered bf16 parameters;
 * gradients    4 B per local parameter;
 * optimizer    8 B per local parameter (AdamW exp_avg and exp_avg_sq);
 * activations  what autograd saves per layer and micro-batch (`layer_activation_bytes`:
@@ -69,22 +70,23 @@ def layer_params(m: ModelConfig, layer: int) -> LayerParams:
 
 
 def layer_activation_bytes(
-    m: ModelConfig, layer: int, tokens: int, b: int, compiled: bool = False
+    m: ModelConfig, layer: int, tokens: int, b: int, compiled: bool = False, r: int = 4
 ) -> int:
     """Bytes autograd saves for one layer's backward at `tokens` tokens per rank; `b` = bytes
-    of the compute dtype. The residual stream and the norms' outputs are fp32 (the parameters
-    are). `compiled`: the block under torch.compile, which saves a different set."""
+    of the compute dtype, `r` of the residual stream and the norms' outputs (fp32 under
+    autocast over fp32 parameters, bf16 with bf16 compute weights). `compiled`: the block
+    under torch.compile, which saves a different set."""
     if compiled:
-        return compiled_layer_bytes(m, layer, tokens, b)
+        return compiled_layer_bytes(m, layer, tokens, b, r)
     T, D, vd = tokens, m.hidden, m.v_head_dim or m.head_dim
     qkv = m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + vd)
     rot = m.head_dim * m.rope_fraction
     # attention: residual in, norm out and its cast; q/k/v out, after QK-norm, after RoPE (with
     # its fp32 halves); SDPA's output and log-sum-exp; wo's input and output
-    attn = 4 * T * D * 2 + b * T * D + b * T * qkv * (3 if m.qk_norm else 2)
+    attn = r * T * D * 2 + b * T * D + b * T * qkv * (3 if m.qk_norm else 2)
     attn += 4 * T * (m.num_heads + m.num_kv_heads) * rot + 4 * T * m.num_heads
     attn += 2 * b * T * m.num_heads * vd + b * T * D
-    ffn_in = 4 * T * D * 2 + b * T * D  # residual, norm out, cast
+    ffn_in = r * T * D * 2 + b * T * D  # residual, norm out, cast
     if layer < m.dense_layers:
         return attn + ffn_in + 4 * b * T * m.dense_ffn + b * T * D
     N, F = T * m.top_k, m.expert_ffn
@@ -97,7 +99,7 @@ def layer_activation_bytes(
     return attn + ffn_in + router + routed + shared
 
 
-def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int) -> int:
+def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int, r: int = 4) -> int:
     """What a compiled block saves: the tensors AOTAutograd's partitioner keeps between the
     forward and backward graphs (read off their signatures, TORCH_LOGS=aot_graphs, on a block
     of qwen3-30b-a3b's proportions, of gpt-oss's and of deepseek-v2-lite's). It recomputes
@@ -106,11 +108,11 @@ def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int) -> int
     Assumes a fused SDPA kernel (flash/cuDNN: no S x S scores), as on the GPU."""
     T, D, E, K = tokens, m.hidden, m.num_experts, m.top_k
     H, G, d, vd = m.num_heads, m.num_kv_heads, m.head_dim, m.v_head_dim or m.head_dim
-    # attention: the fp32 residual in and after attention (the two norms' inputs), the first
+    # attention: the residual (r bytes) in and after attention (the two norms' inputs), the first
     # norm's cast, q/k/v as projected, q and k after QK-norm and RoPE (SDPA's inputs; without
     # QK-norm only these, not the projected ones), SDPA's output and log-sum-exp, and wo's
     # input (a contiguous copy of the output's transpose)
-    attn = 2 * 4 * T * D + b * T * D + b * T * (H * d + G * (d + vd))
+    attn = 2 * r * T * D + b * T * D + b * T * (H * d + G * (d + vd))
     attn += b * T * (H + G) * d if m.qk_norm else 0
     attn += 2 * b * T * H * vd + 4 * T * H
     if layer < m.dense_layers:
@@ -179,6 +181,8 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
     if dims.pp > 1:
         in_flight = n_micro if cfg.trainer.pp_schedule == "GPipe" else min(n_micro, dims.pp)
     fsdp = dims.dp_cp > 1
+    # bf16 compute weights over fp32 masters (parallelize.py): a bf16 residual stream
+    r = 2 if not fsdp and cfg.dtype.name == "bf16" and not cfg.dtype.fp8 else 4
     dense_shard = dims.dp_cp if fsdp else 1
     expert_shard = dims.ep * (dims.edp if dims.edp > 1 else 1)
 
@@ -201,7 +205,7 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
             biggest = max((c.dense + c.experts / dims.ep for c in counts), default=0)
             copies += 2 * (dense - embedding if not fsdp else 2 * biggest)
             copies += 2 * experts / dims.ep if dims.edp == 1 else 0
-        saved = [layer_activation_bytes(m, i, tokens, b, compiled) for i in layers]
+        saved = [layer_activation_bytes(m, i, tokens, b, compiled, r) for i in layers]
         if cfg.trainer.activation_checkpointing == "full":
             acts = len(saved) * 4 * tokens * m.hidden * in_flight + max(saved, default=0)
         else:

@@ -32,7 +32,11 @@ def global_batch_balance_loss(
     """
     T, K = topk_idx_TK.shape
     E = scores_TE.shape[1]
-    counts_E = torch.bincount(topk_idx_TK.reshape(-1), minlength=E).to(scores_TE.dtype)
+    # scatter_add rather than bincount: bincount's output size depends on the data, a graph
+    # break under torch.compile (a frame more for dynamo to trace in every arm).
+    idx_N = topk_idx_TK.reshape(-1)
+    counts_E = torch.zeros(E, device=idx_N.device, dtype=scores_TE.dtype)
+    counts_E.scatter_add_(0, idx_N, torch.ones_like(idx_N, dtype=scores_TE.dtype))
     total = torch.tensor(float(T * K), device=scores_TE.device)
     if reduce is not None:
         stats = reduce(torch.cat([counts_E, total.view(1)]))

@@ -25,7 +25,9 @@ Order in `parallelize` (each step sees the model the previous one left):
   4. balance-loss sums     the router statistics summed over dp*cp (global-batch loss) or cp
                            (sequence loss), injected into the MoE layers
   5. activation checkpointing, then compile (per block)
-  6. FSDP2                 experts over edp, everything else over dp*cp (none when dp*cp = 1)
+  6. FSDP2                 experts over edp, everything else over dp*cp; when dp*cp = 1 no
+                           FSDP, and under dtype=bf16 bf16 compute weights over fp32 masters
+                           instead (precision.MasterWeights: what FSDP's mixed precision does)
 
 Mesh layout. Global rank = pp_i * (dp*cp) + dp_i * cp + cp_i, i.e. a DeviceMesh
 ("pp", "dp", "cp"). Expert parallel is folded into the flattened dp*cp dimension ("dp_cp"):
@@ -57,6 +59,7 @@ from moe_perf.trainer.cp import apply_context_parallel
 from moe_perf.trainer.ep import apply_expert_parallel
 from moe_perf.trainer.model import materialize
 from moe_perf.trainer.moe import moe_layers
+from moe_perf.trainer.precision import MasterWeights
 
 # Gradients are reduced in fp32 even when parameters are gathered in bf16: a bf16 sum over many
 # ranks loses the small gradients (torchtitan's default too).
@@ -167,6 +170,11 @@ def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
     # step); bf16 compute then comes from autocast alone.
     if dist.is_initialized() and dims.dp_cp > 1:
         apply_fsdp(model, par, mixed_precision(cfg, par.device))
+    elif cfg.dtype.name == "bf16" and not cfg.dtype.fp8:
+        # fp8 keeps autocast over fp32 weights: torchao's Float8Linear casts them itself.
+        model.master_weights = MasterWeights(
+            model, torch.bfloat16, keep_fp32=(getattr(model, "tok_embeddings", None),)
+        )
     return model
 
 

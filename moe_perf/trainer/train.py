@@ -28,7 +28,7 @@ from moe_perf.common import contract
 from moe_perf.common.config import Config, ConfigError, load_config
 from moe_perf.common.corpus import CorpusError
 from moe_perf.common.mesh import MeshDims, MeshError
-from moe_perf.trainer import cp, flops, moe, pp, profiling
+from moe_perf.trainer import cp, flops, moe, pp, precision, profiling
 from moe_perf.trainer.data import local_microbatches, make_source
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.parallelize import (
@@ -129,7 +129,7 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     for part in parts:
         part.train()
         moe.set_aux_loss_grad_scale(part, 1.0 / n_micro)
-    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    params = [p for part in parts for p in precision.optimizer_params(part)]
     # Fused AdamW (GPU and CPU, so the CPU tests run the GPU's optimizer path): one kernel per
     # parameter group instead of a dozen foreach passes (72.6 -> 31.9 ms/step on one H200).
     optimizer = torch.optim.AdamW(
@@ -139,6 +139,10 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
         weight_decay=cfg.trainer.weight_decay,
         fused=True,
     )
+    for part in parts:
+        if (mw := precision.master_weights(part)) is not None:
+            # inside optimizer.step(), so inside the timed step
+            optimizer.register_step_post_hook(lambda *_, mw=mw: mw.copy_to_model())
     bf16 = cfg.dtype.name in ("bf16", "fp8")
     return Trainer(
         cfg=cfg,

@@ -1,0 +1,89 @@
+"""bf16 compute weights over fp32 masters on one data x context rank (trainer/precision.py):
+what the optimizer trains, how gradients accumulate over micro-batches, and the real trainer's
+steps with it (CPU, bf16)."""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from test_train_single import write_config
+from torch import nn
+
+from moe_perf.common.config import load_config
+from moe_perf.trainer import precision, train
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def test_compute_weights_are_bf16_and_gradients_accumulate_in_fp32_per_micro_batch():
+    model, twin = small_model(), small_model()
+    originals = [p.detach().clone() for p in model.parameters()]
+    mw = precision.MasterWeights(model, torch.bfloat16, keep_fp32=(model[0],))
+
+    emb, *rest = list(model.parameters())
+    assert emb.dtype == torch.float32 and all(p.dtype == torch.bfloat16 for p in rest)
+    assert [m.dtype for m in mw.masters] == [torch.float32] * len(originals)
+    assert mw.masters[0] is emb  # the embedding trains as it is
+    for master, original in zip(mw.masters, originals):
+        assert torch.equal(master, original)
+    assert precision.optimizer_params(nn.Sequential()) == []
+
+    # the twin computes each micro-batch's bf16 gradients by hand
+    for p in list(twin.parameters())[1:]:
+        p.data = p.data.to(torch.bfloat16)
+    expected = [torch.zeros_like(p, dtype=torch.float32) for p in twin.parameters()]
+    for seed in (1, 2):
+        tokens = torch.randint(0, 32, (8,), generator=torch.Generator().manual_seed(seed))
+        model(tokens).float().square().sum().backward()
+        twin.zero_grad(set_to_none=True)
+        twin[1:](twin[0](tokens).to(torch.bfloat16)).float().square().sum().backward()
+        for acc, p in zip(expected, twin.parameters()):
+            acc += p.grad.float()
+    assert model[0](torch.tensor([1])).dtype == torch.bfloat16  # the residual stream's dtype
+    assert all(p.grad is None for p in rest)  # dropped once added to the master's
+    for master, acc in zip(mw.masters, expected):
+        assert master.grad.dtype == torch.float32
+        torch.testing.assert_close(master.grad, acc, rtol=0, atol=0)
+
+    with torch.no_grad():
+        for master in mw.masters:
+            master.add_(0.5)
+    mw.copy_to_model()
+    for p, master in zip(rest, mw.masters[1:]):
+        assert torch.equal(p, master.to(torch.bfloat16))
+
+
+def test_the_trainer_steps_the_masters_and_copies_them_into_the_model(tmp_path):
+    cfg = load_config(
+        str(write_config(tmp_path, dtype={"name": "bf16", "fp8": False})),
+        ["training.global_batch=4", "training.micro_batch=2"],
+    )
+    tr = train.build(cfg, io.StringIO())
+    (model,) = tr.parts
+    mw = precision.master_weights(model)
+    assert mw is not None and tr.params == mw.masters
+    assert model.output.weight.dtype == torch.bfloat16
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    before = [m.detach().clone() for m in mw.masters]
+    losses = []
+    for step in (1, 2, 3):
+        loss, _ = train.train_step(tr, train.local_batch(tr, step))
+        losses.append(float(loss))
+        for p, master in mw._pairs:
+            assert torch.equal(p, master.detach().to(torch.bfloat16))
+    assert all(not torch.equal(b, m) for b, m in zip(before, mw.masters) if m.requires_grad)
+
+    # the same steps in fp32: bf16 compute follows them closely
+    (tmp_path / "fp32").mkdir()
+    fp32 = load_config(
+        str(write_config(tmp_path / "fp32")), ["training.global_batch=4", "training.micro_batch=2"]
+    )
+    ref = train.build(fp32, io.StringIO())
+    assert precision.master_weights(ref.parts[0]) is None
+    ref_losses = [float(train.train_step(ref, train.local_batch(ref, s))[0]) for s in (1, 2, 3)]
+    assert losses[0] != losses[2]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=5e-3, atol=0)
