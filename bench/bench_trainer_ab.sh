@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The reference trainer's step before/after on one machine: bench_trainer.py with a base tree's
+# trainer and with this tree's, per configuration one after the other (base, then this), each
+# with one profiled step after the measured ones.
+#
+#   bash bench/bench_trainer_ab.sh BASE OUT_DIR
+#
+# BASE: a commit of this repository (extracted with `git archive`) or a directory holding such
+# a tree (pyproject.toml, moe_perf, conf, bench, hydra_plugins), copied to a temporary
+# directory with this tree's bench_trainer.py and profile_summary.py put in, so both variants
+# run the same bench.
+# CONFIGS: bench_trainer.py arguments per configuration, separated by ';' (default below).
+# OUT_DIR gets <config>-<base|this>/ (bench.json, profile/summary.md) and summary.txt, one line
+# per run: step time, tokens/s, TFLOP/s, peak memory.
+set -euo pipefail
+base=$1 out=$(realpath -m "$2")
+here=$(cd "$(dirname "$0")/.." && pwd)
+CONFIGS=${CONFIGS:-"--layers 4 --micro-batch 16;--layers 8 --micro-batch 8"}
+mkdir -p "$out"
+tree=$(mktemp -d)
+trap 'rm -rf "$tree"' EXIT
+if [[ -d $base ]]; then
+  cp -r "$base"/. "$tree"
+else
+  git -C "$here" archive "$base" pyproject.toml moe_perf conf bench hydra_plugins | tar -x -C "$tree"
+fi
+cp "$here/bench/bench_trainer.py" "$here/bench/profile_summary.py" "$tree/bench/"
+IFS=';' read -r -a configs <<<"$CONFIGS"
+: >"$out/summary.txt"
+i=0
+for args in "${configs[@]}"; do
+  i=$((i + 1))
+  for variant in base this; do
+    root=$here
+    [[ $variant == base ]] && root=$tree
+    name="c$i-$variant"
+    echo "== $name: bench_trainer.py $args --profile 1 (trainer from $root)"
+    # shellcheck disable=SC2086  # $args is a list of options
+    python3 "$root/bench/bench_trainer.py" $args --profile 1 --out "$out/$name"
+    python3 - "$out/$name/bench.json" "$name" "$args" >>"$out/summary.txt" <<'EOF'
+import json, sys
+b = json.load(open(sys.argv[1]))
+print(f"{sys.argv[2]:8s} [{sys.argv[3]}] step {b['step_time_s']:.4f} s, {b['tokens_per_s']:,.0f} tokens/s, "
+      f"{b['tflops']:.1f} TFLOP/s, peak {b['peak_mem_gib']:.2f} GiB, wall {b['wall_s']} s")
+EOF
+  done
+done
+cat "$out/summary.txt"
