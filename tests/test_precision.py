@@ -16,7 +16,9 @@ from moe_perf.trainer import precision, train
 
 def small_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    return nn.Sequential(
+        nn.Embedding(32, 16), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 4)
+    )
 
 
 def test_compute_weights_are_bf16_and_gradients_accumulate_in_fp32_per_micro_batch():
@@ -28,7 +30,7 @@ def test_compute_weights_are_bf16_and_gradients_accumulate_in_fp32_per_micro_bat
     assert emb.dtype == torch.float32 and all(p.dtype == torch.bfloat16 for p in rest)
     assert [m.dtype for m in mw.masters] == [torch.float32] * len(originals)
     assert mw.masters[0] is emb  # the embedding trains as it is
-    for master, original in zip(mw.masters, originals):
+    for master, original in zip(mw.masters, originals, strict=True):
         assert torch.equal(master, original)
     assert precision.optimizer_params(nn.Sequential()) == []
 
@@ -41,11 +43,11 @@ def test_compute_weights_are_bf16_and_gradients_accumulate_in_fp32_per_micro_bat
         model(tokens).float().square().sum().backward()
         twin.zero_grad(set_to_none=True)
         twin[1:](twin[0](tokens).to(torch.bfloat16)).float().square().sum().backward()
-        for acc, p in zip(expected, twin.parameters()):
+        for acc, p in zip(expected, twin.parameters(), strict=True):
             acc += p.grad.float()
     assert model[0](torch.tensor([1])).dtype == torch.bfloat16  # the residual stream's dtype
     assert all(p.grad is None for p in rest)  # dropped once added to the master's
-    for master, acc in zip(mw.masters, expected):
+    for master, acc in zip(mw.masters, expected, strict=True):
         assert master.grad.dtype == torch.float32
         torch.testing.assert_close(master.grad, acc, rtol=0, atol=0)
 
@@ -53,7 +55,7 @@ def test_compute_weights_are_bf16_and_gradients_accumulate_in_fp32_per_micro_bat
         for master in mw.masters:
             master.add_(0.5)
     mw.copy_to_model()
-    for p, master in zip(rest, mw.masters[1:]):
+    for p, master in zip(rest, mw.masters[1:], strict=True):
         assert torch.equal(p, master.to(torch.bfloat16))
 
 
@@ -73,9 +75,10 @@ def test_the_trainer_steps_the_masters_and_copies_them_into_the_model(tmp_path):
     for step in (1, 2, 3):
         loss, _ = train.train_step(tr, train.local_batch(tr, step))
         losses.append(float(loss))
-        for p, master in mw._pairs:
+        for p, master in zip(mw.compute, mw.compute_masters, strict=True):
             assert torch.equal(p, master.detach().to(torch.bfloat16))
-    assert all(not torch.equal(b, m) for b, m in zip(before, mw.masters) if m.requires_grad)
+    moved = [not torch.equal(b, m) for b, m in zip(before, mw.masters, strict=True)]
+    assert all(moved)
 
     # the same steps in fp32: bf16 compute follows them closely
     (tmp_path / "fp32").mkdir()

@@ -38,7 +38,7 @@ class MasterWeights:
         self.dtype = dtype
         self.compute: list[nn.Parameter] = []
         self.masters: list[nn.Parameter] = []  # what the optimizer trains
-        self._pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (compute, its master)
+        self.compute_masters: list[nn.Parameter] = []  # the master of each of `compute`
         for p in module.parameters():
             if id(p) in kept or not p.requires_grad or p.dtype != torch.float32:
                 self.masters.append(p)  # trained as it is
@@ -49,7 +49,7 @@ class MasterWeights:
             p.register_post_accumulate_grad_hook(_accumulate_into(master))
             self.compute.append(p)
             self.masters.append(master)
-            self._pairs.append((p, master))
+            self.compute_masters.append(master)
         for m in keep_fp32:
             if m is not None:
                 m.register_forward_hook(self._cast_output)
@@ -60,9 +60,8 @@ class MasterWeights:
     @torch.no_grad()
     def copy_to_model(self) -> None:
         """The masters' values into the compute copies (after each optimizer step)."""
-        if self._pairs:
-            compute, masters = zip(*self._pairs)
-            torch._foreach_copy_(list(compute), list(masters))
+        if self.compute:
+            torch._foreach_copy_(self.compute, self.compute_masters)
 
 
 def _accumulate_into(master: nn.Parameter):
