@@ -40,6 +40,25 @@ def test_every_option_file_composes_and_resolves(group, option):
     assert resolved["tag"].startswith(f"pp{cfg.mesh.pp}-dp")
 
 
+@pytest.mark.parametrize(
+    "overrides,micro",
+    [
+        ((), 4),  # one rank: 32 sequences in 8 micro-batches of 4
+        (("mesh=ep2", "training.global_batch=4"), 2),  # 2 sequences per data rank
+        (("mesh=pp2_ep2", "training.global_batch=8"), 2),  # 4 per rank, >= pp=2 micro-batches
+        (("mesh=pp2_ep2", "training.global_batch=12"), 3),
+        (("mesh=ep2", "training.global_batch=10"), 1),  # 5 per rank: no divisor in 2..4
+        (("training.micro_batch=1",), 1),  # an explicit value wins
+        (("model=qwen3-30b-a3b",), 1),  # the GPU presets keep one sequence per micro-batch
+    ],
+)
+def test_the_cpu_workload_takes_the_largest_micro_batch_that_fits(overrides, micro):
+    cfg = composed(*overrides)
+    assert cfg.training.micro_batch == micro
+    dims = mesh_dims(cfg.mesh)
+    dims.check_batch(cfg.training.global_batch, cfg.training.micro_batch)  # never refused
+
+
 def test_defaults():
     cfg = composed()
     assert (cfg.model.name, cfg.dtype.name, cfg.arm.name) == ("tiny", "fp32", "base")
@@ -47,7 +66,7 @@ def test_defaults():
     assert mesh_dims(cfg.mesh) == MeshDims(world=1)
     assert cfg.refs.base == "main" and cfg.repeat == 0 and cfg.repo == "."
     t = cfg.training
-    assert (t.sequence_length, t.global_batch, t.micro_batch, t.max_steps) == (512, 32, 1, 8)
+    assert (t.sequence_length, t.global_batch, t.micro_batch, t.max_steps) == (512, 32, 4, 8)
     assert t.benchmark is True and t.device == "auto"
     assert cfg.data.corpus is None and cfg.data.root == "workspace/datasets"
     assert cfg.wandb.mode == "auto"

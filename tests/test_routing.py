@@ -116,3 +116,52 @@ def test_without_benchmark_the_router_decides():
     x = torch.randn(10, 16)
     scores, real, idx, _ = moe.route(x)
     assert torch.equal(idx, real)
+
+
+@pytest.mark.parametrize("T,K,E", [(16, 2, 8), (12, 8, 32), (6, 4, 8), (64, 8, 128), (12, 6, 8)])
+def test_round_robin_dispatch_is_the_sorted_dispatch_without_the_sort(T, K, E):
+    """Forced balance's aligned slots: the strided dispatch gives the sort's rows, counts and
+    combine, and the same gradients."""
+    from moe_perf.trainer.dispatch import LocalDispatcher
+
+    torch.manual_seed(0)
+    d = LocalDispatcher(E)
+    idx_TK = forced_expert_ids(T * E, T, K, E, 1)  # an aligned offset: T*E*K mod E == 0
+    x1 = torch.randn(T, 5, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    ref_ND, ref_counts, ref_state = d.dispatch(x1, idx_TK)
+    rr_ND, rr_counts, rr_state = d.dispatch_round_robin(x2, K)
+    assert torch.equal(rr_ND, ref_ND) and torch.equal(rr_counts, ref_counts)
+    w = torch.randn(T * K, 5)  # a per-row transform, so that combine's order matters
+    ref, rr = d.combine(ref_ND * w, ref_state), d.combine(rr_ND * w, rr_state)
+    assert torch.equal(rr, ref)
+    g = torch.randn_like(ref)
+    (ref * g).sum().backward()
+    (rr * g).sum().backward()
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=0, atol=1e-6)
+
+
+def test_the_moe_takes_the_round_robin_dispatch_only_where_it_holds():
+    torch.manual_seed(0)
+    E, K, D, T = 8, 2, 16, 12
+    moe = MoE(D, E, K, 16, force_balance=True, balance_ep=1)
+    moe.init_weights(0.02, 0.02)
+    x = torch.randn(1, T, D)
+    moe.global_token_offset = 4 * T  # (4T * K) mod E == 0
+    assert moe.round_robin(T) and not moe.round_robin(T + 1)  # T*K no multiple of E
+    outs = {}
+    for mode in ("structured", "sort"):
+        moe.forced_dispatch = mode
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        y.square().sum().backward()
+        outs[mode] = (y.detach(), xi.grad, moe.experts.w1.grad.clone())
+        moe.zero_grad(set_to_none=True)
+    assert not moe.round_robin(T)  # sort
+    for a, b in zip(outs["structured"], outs["sort"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    moe.forced_dispatch = "structured"
+    moe.global_token_offset = 3  # 3*K = 6: not a multiple of E, the slots start mid-cycle
+    assert not moe.round_robin(T)
+    assert not MoE(D, E, K, 16, force_balance=False).round_robin(T)
+    assert not MoE(D, E, K, 16, force_balance=True, balance_ep=2).round_robin(T)

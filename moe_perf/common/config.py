@@ -196,6 +196,9 @@ class TrainerConfig:
     pp_schedule: str = "1F1B"
     pp_virtual_stages: int = knob(1, min=1)
     expert_backend: str = knob("auto", choices=("auto", "grouped_mm", "loop"))
+    # forced balance on one EP rank: structured = the known round-robin layout (strided
+    # copies), sort = the general sort-and-gather dispatch (for A/B of the two)
+    forced_dispatch: str = knob("structured", choices=("structured", "sort"))
     weight_decay: float = knob(0.1, min=0)
     max_grad_norm: float = knob(1.0, min=0)  # 0 disables clipping (a global norm reduce)
     init_std: float = knob(0.02, above=0)

@@ -225,6 +225,21 @@ def _tag(nnodes, nproc_per_node, pp, cp, ep, sequence_length, dtype) -> str:
     return dims.tag(int(sequence_length), str(dtype))
 
 
+def micro_batch_upto(cap, global_batch, nnodes, nproc_per_node, pp, cp) -> int:
+    """The largest micro-batch <= `cap` that divides the batch of a data rank (global_batch /
+    dp) and, under pp > 1, leaves at least pp micro-batches per step; 1 when none does (the
+    pre-flight's batch checks then say what to change). For workloads whose micro-batch is a
+    speed choice, not a memory limit (the tiny model on CPU, conf/training/cpu.yaml)."""
+    dims = MeshDims(world=int(nnodes) * int(nproc_per_node), pp=int(pp), cp=int(cp))
+    if dims.pp < 1 or dims.cp < 1 or dims.dp < 1:
+        return 1
+    local = int(global_batch) // dims.dp
+    for m in range(int(cap), 1, -1):
+        if local % m == 0 and (dims.pp == 1 or local // m >= dims.pp):
+            return m
+    return 1
+
+
 # A name that becomes one directory level: letters, digits, '.', '_', '-', not starting with
 # '.' or '-' (so never '..', a hidden file or an option), at most 100 characters.
 SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
@@ -255,6 +270,7 @@ def register() -> None:
     OmegaConf.register_new_resolver("moe_perf.tag", _tag, replace=True)
     OmegaConf.register_new_resolver("moe_perf.repeat_suffix", repeat_suffix, replace=True)
     OmegaConf.register_new_resolver("moe_perf.path_part", _path_part, replace=True)
+    OmegaConf.register_new_resolver("moe_perf.micro_batch_upto", micro_batch_upto, replace=True)
     # Evaluated per job; the runner replaces `refs` by what the sweep resolved at its start.
     OmegaConf.register_new_resolver("moe_perf.current_branch", _current_branch, replace=True)
 

@@ -14,6 +14,7 @@ Shapes: the trainer's legend (moe_perf/trainer/__init__.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -92,9 +93,46 @@ class LocalDispatcher:
         x_ND = gather_slots(x_TD, order_N, inv_N, K)
         return x_ND, tokens_per_expert_L, (order_N, inv_N, topk_idx_TK.shape)
 
+    def dispatch_round_robin(self, x_TD: torch.Tensor, top_k: int):
+        """`dispatch` for slots routed round-robin: slot s = t*K + k to expert s mod E (forced
+        balance on one EP rank with offset*K a multiple of E, routing.forced_expert_ids).
+
+        The stable sort by expert is then known in advance: expert e's slots are e, e + E,
+        e + 2E, ..., so x_ND viewed [E, N/E, D] is the slots viewed [N/E, E, D] transposed.
+        Strided copies instead of a sort, an inverse permutation and two index gathers (and
+        the backward is a transpose and a sum over K); the same rows in the same order.
+        """
+        T, D = x_TD.shape
+        E = self.num_experts
+        N = T * top_k
+        if N % E:
+            raise ValueError(f"round-robin dispatch needs T*K={N} divisible by E={E}")
+        J = N // E  # slots per expert
+        if E % top_k == 0:
+            # E = Q*K: expert e = q*K + k takes tokens j*Q + q (j < J), each once: one copy
+            Q = E // top_k
+            x_QKJD = x_TD.view(J, Q, D).transpose(0, 1).unsqueeze(1).expand(Q, top_k, J, D)
+            x_ND = x_QKJD.reshape(N, D)
+        else:
+            x_ND = x_TD.unsqueeze(1).expand(T, top_k, D).reshape(J, E, D).transpose(0, 1)
+            x_ND = x_ND.reshape(N, D)
+        tokens_per_expert_L = torch.full((E,), J, dtype=torch.long, device=x_TD.device)
+        return x_ND, tokens_per_expert_L, RoundRobin(T, top_k)
+
     def combine(self, y_ND: torch.Tensor, state) -> torch.Tensor:
+        if isinstance(state, RoundRobin):
+            T, K = state
+            E = self.num_experts
+            return y_ND.view(E, T * K // E, -1).transpose(0, 1).reshape(T, K, -1)
         order_N, inv_N, (T, K) = state
         return permute_rows(y_ND, inv_N, order_N).view(T, K, -1)
+
+
+class RoundRobin(NamedTuple):
+    """LocalDispatcher's state after `dispatch_round_robin`: the slots' shape."""
+
+    num_tokens: int
+    top_k: int
 
 
 # --------------------------------------------------------------------------------------------

@@ -88,7 +88,9 @@ class GroupedExperts(nn.Module):
         )
         if use_grouped:
             # Rows past offsets[-1] come back uninitialised; there are none here (N = sum).
-            offsets_L = torch.cumsum(tokens_per_expert_L, 0, dtype=torch.int32)
+            # cumsum then a cast, not cumsum(dtype=int32): inductor (torch 2.13) returns int64
+            # for cumsum(dtype=int32) of a constant (the round-robin dispatch's counts)
+            offsets_L = torch.cumsum(tokens_per_expert_L, 0).to(torch.int32)
             h_NF = swiglu(
                 torch._grouped_mm(x_ND, w1, offs=offsets_L),
                 torch._grouped_mm(x_ND, w3, offs=offsets_L),

@@ -78,6 +78,11 @@ class MoE(nn.Module):
         # A 0-d tensor, not a Python int: torch.compile would specialize on (and recompile
         # for) every new int offset; a tensor value is not guarded.
         self.register_buffer("token_offset", torch.zeros((), dtype=torch.long), persistent=False)
+        # Whether offset*K is a multiple of E (a host bool the offset setter keeps; compiled
+        # code guards on it, two variants at most): forced balance's slots then go round-robin
+        # from expert 0 and the dispatch is a fixed strided layout (`round_robin`).
+        self.slots_aligned = True
+        self.forced_dispatch = "structured"  # or "sort": the general path (trainer knob)
         self.balance_reduction: Reduction | None = None
         self.aux_loss_grad_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
@@ -89,6 +94,21 @@ class MoE(nn.Module):
     @global_token_offset.setter
     def global_token_offset(self, offset: int) -> None:
         self.token_offset.fill_(offset)  # in place: no sync, and compiled code sees the value
+        self.slots_aligned = (offset * self.top_k) % self.num_experts == 0
+
+    def round_robin(self, num_tokens: int) -> bool:
+        """Whether this micro-batch's slots go round-robin, slot s = t*K + k to expert s mod E,
+        so the dispatcher can skip the sort (LocalDispatcher.dispatch_round_robin): forced
+        balance on one EP rank (routing.forced_expert_ids is then (offset*K + s) mod E), the
+        offset aligned, and T*K a multiple of E."""
+        return (
+            self.force_balance
+            and self.balance_ep == 1
+            and self.forced_dispatch == "structured"
+            and self.slots_aligned
+            and (num_tokens * self.top_k) % self.num_experts == 0
+            and isinstance(self.dispatcher, LocalDispatcher)
+        )
 
     def init_weights(self, std: float, out_std: float, generator=None) -> None:
         """Weights from `generator` (None: the global RNG); also resets the token offset, a
@@ -123,7 +143,12 @@ class MoE(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         scores_TE, real_idx_TK, idx_TK, weights_TK = self.route(x_TD)
 
-        x_ND, tokens_per_expert_L, state = self.dispatcher.dispatch(x_TD, idx_TK)
+        if self.round_robin(x_TD.shape[0]):
+            x_ND, tokens_per_expert_L, state = self.dispatcher.dispatch_round_robin(
+                x_TD, self.top_k
+            )
+        else:
+            x_ND, tokens_per_expert_L, state = self.dispatcher.dispatch(x_TD, idx_TK)
         with expert_scope():
             y_ND = self.experts(x_ND, tokens_per_expert_L)
         y_TKD = self.dispatcher.combine(y_ND, state)

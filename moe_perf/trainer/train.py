@@ -119,6 +119,7 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     )
     for layer in moe.moe_layers(model):
         layer.experts.backend = cfg.trainer.expert_backend
+        layer.forced_dispatch = cfg.trainer.forced_dispatch
     if cfg.dtype.fp8 or cfg.dtype.name == "fp8":
         apply_fp8(model, device)
     timeline.mark("model_on_meta")
