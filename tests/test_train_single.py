@@ -111,6 +111,27 @@ def test_torchrun_ep2_bf16_with_overrides(tmp_path):
     check_lines(proc, steps, 2, 2)
 
 
+@pytest.mark.slow
+def test_torchrun_pp2_bf16_trains_each_stages_master_weights(tmp_path):
+    """Two pipeline stages on one data rank in bf16: each stage computes with bf16 weights over
+    fp32 masters (precision.py) under the pipeline schedule's own backward; its losses follow
+    the fp32 run's."""
+    losses = {}
+    for dtype in ("bf16", "fp32"):
+        (tmp_path / dtype).mkdir()
+        cfg = write_config(
+            tmp_path / dtype,
+            mesh={"nproc_per_node": 2, "pp": 2},
+            dtype={"name": dtype},
+            training={"max_steps": 4, "global_batch": 4, "micro_batch": 1},
+        )
+        proc, steps = torchrun(2, cfg)
+        check_lines(proc, steps, 4, 2)
+        losses[dtype] = [s["loss"] for s in steps]
+    assert len(set(losses["bf16"])) > 1  # it trains
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=5e-3)
+
+
 def test_missing_corpus_fails_with_the_build_command(tmp_path, capsys):
     cfg = write_config(tmp_path, data={"corpus": "dclm-baseline"})
     assert main([str(cfg)]) == 2
