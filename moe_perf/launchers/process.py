@@ -259,13 +259,21 @@ def run_trainer(
         reader = LogReader(log_format, shape)
         pump = _Pump(proc.stdout, log, label, echo, reader, max_steps)
         pump.thread.start()
+        # The wait runs in a thread and this one joins it: a Ctrl-C landing inside
+        # Popen.wait() itself, between its taking of the waitpid lock and the try that
+        # releases it, leaves the lock held, and every poll() after it answers "running" for a
+        # trainer that has exited (seen once: the sweep then waited forever on a zombie).
+        # Thread.join releases what it holds when interrupted.
+        waiter = threading.Thread(target=proc.wait, name=f"wait-{label}", daemon=True)
+        waiter.start()
         timed_out = False
         try:
-            exit_code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            if stop_launch(proc, token, kill_grace_s):
-                raise KeyboardInterrupt("Ctrl-C while a timed-out arm was stopped") from None
+            waiter.join(timeout_s)
+            if waiter.is_alive():
+                timed_out = True
+                if stop_launch(proc, token, kill_grace_s):
+                    raise KeyboardInterrupt("Ctrl-C while a timed-out arm was stopped")
+            waiter.join()
             exit_code = proc.returncode
         except BaseException as exc:
             pump.quiet = True  # torchrun's traceback of the signal: console.log only
