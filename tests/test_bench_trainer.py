@@ -67,3 +67,20 @@ def test_profile_summary_categories_and_idle(tmp_path):
     assert set(cats) == {"dense GEMM", "all-to-all", "norms/elementwise", "optimizer",
                          "host gaps/idle"}  # fmt: skip
     assert "| dense GEMM | 0.30 | 12.0% |" in profile_summary.to_markdown(s)
+
+
+def test_bench_dispatch_checks_both_dispatches_agree_and_times_them():
+    """bench/bench_dispatch.py on CPU, small and eager: both variants' results are checked
+    equal before anything is timed, then each gets its median."""
+    cmd = [
+        sys.executable, str(ROOT / "bench" / "bench_dispatch.py"), "--tokens", "256",
+        "--hidden", "32", "--experts", "16", "--top-k", "4", "--dtype", "fp32",
+        "--device", "cpu", "--eager", "--warmup", "1", "--repeats", "3",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "T=256 D=32 E=16 K=4 fp32 eager on cpu" in lines[0]
+    times = {line.split()[0]: float(line.split()[1]) for line in lines[1:3]}
+    assert set(times) == {"sort", "round_robin"} and all(t > 0 for t in times.values())
+    assert lines[3].split()[0] == "saved"
