@@ -167,7 +167,8 @@ def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
             block.compile()  # not fullgraph: uneven all-to-all needs its split sizes on the host
     # One data x context rank: nothing to shard. FSDP would still copy every parameter in and
     # every gradient out per micro-batch (on one H200 about 40% of a 4-layer qwen3-30b-a3b
-    # step); bf16 compute then comes from autocast alone.
+    # step); bf16 compute then comes from bf16 weights over fp32 masters (precision.py), which
+    # cast once a step where autocast would cast in every micro-batch.
     if dist.is_initialized() and dims.dp_cp > 1:
         apply_fsdp(model, par, mixed_precision(cfg, par.device))
     elif cfg.dtype.name == "bf16" and not cfg.dtype.fp8:
