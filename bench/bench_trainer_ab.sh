@@ -10,11 +10,13 @@
 # directory with this tree's bench_trainer.py and profile_summary.py put in, so both variants
 # run the same bench.
 # CONFIGS: bench_trainer.py arguments per configuration, separated by ';' (default below).
+# PYTHON: the interpreter with torch (default python3).
 # OUT_DIR gets <config>-<base|this>/ (bench.json, profile/summary.md) and summary.txt, one line
 # per run: step time, tokens/s, TFLOP/s, peak memory.
 set -euo pipefail
 base=$1 out=$(realpath -m "$2")
 here=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
 CONFIGS=${CONFIGS:-"--layers 4 --micro-batch 16;--layers 8 --micro-batch 8"}
 mkdir -p "$out"
 tree=$(mktemp -d)
@@ -36,8 +38,8 @@ for args in "${configs[@]}"; do
     name="c$i-$variant"
     echo "== $name: bench_trainer.py $args --profile 1 (trainer from $root)"
     # shellcheck disable=SC2086  # $args is a list of options
-    python3 "$root/bench/bench_trainer.py" $args --profile 1 --out "$out/$name"
-    python3 - "$out/$name/bench.json" "$name" "$args" >>"$out/summary.txt" <<'EOF'
+    "$PY" "$root/bench/bench_trainer.py" $args --profile 1 --out "$out/$name"
+    "$PY" - "$out/$name/bench.json" "$name" "$args" >>"$out/summary.txt" <<'EOF'
 import json, sys
 b = json.load(open(sys.argv[1]))
 print(f"{sys.argv[2]:8s} [{sys.argv[3]}] step {b['step_time_s']:.4f} s, {b['tokens_per_s']:,.0f} tokens/s, "

@@ -1,8 +1,10 @@
-"""bench/bench_trainer.py and bench/profile_summary.py on CPU: the real trainer, a real profile."""
+"""bench/bench_trainer.py, bench_trainer_ab.sh, bench_dispatch.py and profile_summary.py on CPU:
+the real trainer, a real profile."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -84,3 +86,25 @@ def test_bench_dispatch_checks_both_dispatches_agree_and_times_them():
     times = {line.split()[0]: float(line.split()[1]) for line in lines[1:3]}
     assert set(times) == {"sort", "round_robin"} and all(t > 0 for t in times.values())
     assert lines[3].split()[0] == "saved"
+
+
+@pytest.mark.slow
+def test_bench_trainer_ab_runs_a_base_commit_and_this_tree(tmp_path):
+    """bench/bench_trainer_ab.sh on CPU with this checkout's HEAD as the base: both variants
+    run the real trainer and land in summary.txt."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True)
+    if head.returncode:
+        pytest.skip("not a git checkout")
+    configs = ("--model tiny --layers 1 --seq 64 --global-batch 2 --micro-batch 2 --device cpu "
+               "--eager --steps 2 --dtype fp32 --launcher python")  # fmt: skip
+    env = {**os.environ, "PYTHON": sys.executable, "CONFIGS": configs, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "bench_trainer_ab.sh"), "HEAD",
+                           str(tmp_path / "ab")], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = (tmp_path / "ab" / "summary.txt").read_text().splitlines()
+    assert [line.split()[0] for line in lines] == ["c1-base", "c1-this"]
+    for name in ("c1-base", "c1-this"):
+        bench = json.loads((tmp_path / "ab" / name / "bench.json").read_text())
+        assert bench["steps_measured"] >= 1 and bench["tokens_per_s"] > 0
+        assert (tmp_path / "ab" / name / "profile" / "summary.md").is_file()
