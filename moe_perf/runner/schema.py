@@ -38,7 +38,7 @@ from moe_perf.common.config import (
     check_values,
     knob,
 )
-from moe_perf.common.mesh import MeshDims
+from moe_perf.common.mesh import MeshDims, MeshError
 from moe_perf.runner import git
 from moe_perf.runner.job import repeat_suffix
 
@@ -226,17 +226,17 @@ def _tag(nnodes, nproc_per_node, pp, cp, ep, sequence_length, dtype) -> str:
 
 
 def micro_batch_upto(cap, global_batch, nnodes, nproc_per_node, pp, cp) -> int:
-    """The largest micro-batch <= `cap` that divides the batch of a data rank (global_batch /
-    dp) and, under pp > 1, leaves at least pp micro-batches per step; 1 when none does (the
-    pre-flight's batch checks then say what to change). For workloads whose micro-batch is a
-    speed choice, not a memory limit (the tiny model on CPU, conf/training/cpu.yaml)."""
+    """The largest micro-batch <= `cap` that the batch checks accept (`MeshDims.check_batch`:
+    it divides a data rank's batch and, under pp > 1, leaves pp micro-batches); 1 when none
+    does (the pre-flight then says what to change). For workloads whose micro-batch is a speed
+    choice, not a memory limit (the tiny model on CPU, conf/training/cpu.yaml)."""
     dims = MeshDims(world=int(nnodes) * int(nproc_per_node), pp=int(pp), cp=int(cp))
-    if dims.pp < 1 or dims.cp < 1 or dims.dp < 1:
-        return 1
-    local = int(global_batch) // dims.dp
     for m in range(int(cap), 1, -1):
-        if local % m == 0 and (dims.pp == 1 or local // m >= dims.pp):
-            return m
+        try:
+            dims.check_batch(int(global_batch), m)
+        except (MeshError, ZeroDivisionError):  # a mesh the pre-flight refuses anyway
+            continue
+        return m
     return 1
 
 
