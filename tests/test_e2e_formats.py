@@ -6,6 +6,7 @@ slower per step. The runner must read each format during the sweep, normalize an
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -43,10 +44,17 @@ STAND_IN = textwrap.dedent(
         seconds, last = now - last, now
         if fmt == "torchtitan":  # every rank prints; tps per device; colours; a validation line
             tps = gbs * seq / world / seconds
-            print(f"[titan] {stamp()} - root - INFO - {ESC}[31mstep: {step:2}  {ESC}[32mloss: "
-                  f" 7.5000  {ESC}[38;2;180;60;0mgrad_norm:  1.0000  {ESC}[38;2;54;234;195m"
-                  f"memory: {1.5 + rank:5.2f}GiB(1.00%)  {ESC}[34mtps: {round(tps):,}  "
-                  f"{ESC}[36mtflops: 0.00  {ESC}[35mmfu: N/A{ESC}[39m", flush=True)
+            line = (f"[titan] {stamp()} - root - INFO - {ESC}[31mstep: {step:2}  {ESC}[32mloss: "
+                    f" 7.5000  {ESC}[38;2;180;60;0mgrad_norm:  1.0000  {ESC}[38;2;54;234;195m"
+                    f"memory: {1.5 + rank:5.2f}GiB(1.00%)  {ESC}[34mtps: {round(tps):,}  "
+                    f"{ESC}[36mtflops: 0.00  {ESC}[35mmfu: N/A{ESC}[39m")
+            if os.environ.get("PAUSE_MID_LINE") and rank == 1 and step == 2:
+                cut = line.index("tps: ") + 6  # inside the number
+                sys.stdout.write(line[:cut])
+                sys.stdout.flush()
+                time.sleep(0.5)  # torchrun's tail reads the half line; rank 0 prints meanwhile
+                line, last = line[cut:], time.perf_counter()
+            print(line, flush=True)
             if step == 2:
                 print(f"[titan] {stamp()} - root - INFO - {ESC}[33mvalidate step: {step:2}  "
                       f"{ESC}[32mloss:  9.0000  {ESC}[34mtps: 1{ESC}[39m", flush=True)
@@ -89,7 +97,7 @@ def stand_in_repo(path: Path) -> Path:
     return path
 
 
-def sweep(repo: Path, log_format: str, *overrides: str):
+def sweep(repo: Path, log_format: str, *overrides: str, env: dict | None = None):
     # braces are Hydra's dict syntax: a placeholder goes in quotes
     command = ("trainer.command=[fake/train.py,'{trainer.log_format}','{training.max_steps}',"
                "'{training.global_batch}','{training.sequence_length}']")  # fmt: skip
@@ -97,7 +105,7 @@ def sweep(repo: Path, log_format: str, *overrides: str):
         repo, "trainer=command", command,
         f"trainer.log_format='{log_format}'", "training.sequence_length=64",
         "training.global_batch=4", "training.max_steps=6", "wandb.mode=disabled",
-        "timeout_s=120", *overrides, "-m", "arm=base,feat",
+        "timeout_s=120", *overrides, "-m", "arm=base,feat", env=env,
     )  # fmt: skip
 
 
@@ -138,6 +146,22 @@ def test_torchtitan_every_rank_per_device_tps(repo):
         assert any("validate step" in d for d in rec["derivations"])
         assert f"[{arm}] step 3/6" in result.stdout
     assert records(repo, tag)["feat"]["summary"]["step_time_s"] > 0.06
+
+
+def test_torchtitan_line_torchrun_passes_on_in_two_pieces(repo):
+    # rank 1 writes half its step 2 line and pauses: torchrun's tee prints that half without a
+    # newline, rank 0's lines glued on, and the rest later under rank 1's prefix
+    result = sweep(repo, "torchtitan", "mesh=ep2", env={"PAUSE_MID_LINE": "1"})
+    assert_feat_slower(repo, result)
+    tag = "pp1-dp2-cp1-ep2-seq64-fp32"
+    for arm, rec in records(repo, tag).items():
+        console = (sweep_dir(repo) / "tiny" / f"{tag}-{arm}" / "console.log").read_text()
+        glued = r"\[(?:rank|default)1\]:[^\n]*tps: \d\[(?:rank|default)0\]:"  # as torchrun printed it
+        assert re.search(glued, console)
+        assert rec["status"] == "ok" and [s["step"] for s in rec["steps"]] == [1, 2, 3, 4, 5, 6]
+        step = rec["steps"][1]
+        assert step["peak_mem_gib"] == pytest.approx(2.5)  # rank 1's, from its whole line
+        assert step["step_time_s"] < 0.5  # from rank 1's whole tps, not its first digit
 
 
 def test_megatron_skipped_iteration_and_memory_report(repo):

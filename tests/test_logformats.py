@@ -14,6 +14,7 @@ from moe_perf.common.contract import format_step
 from moe_perf.report.logformats import (
     LogReader,
     RunShape,
+    TeeLines,
     clean,
     detect_format,
     line_parser,
@@ -173,6 +174,40 @@ def test_titan_every_rank_prints_its_own_line():
     assert step["step_time_s"] == pytest.approx(8192 / 4096)  # the slowest rank's
     assert step["loss"] == pytest.approx(6.09081)  # a negative loss is no loss
     assert any("several ranks" in d for d in parsed.derivations)
+
+
+def test_titan_line_torchrun_passed_on_in_two_pieces_is_one_line():
+    # torchrun --tee's readline can return a rank's line half written: the first piece has no
+    # newline, so the next rank's line is glued on; the rest comes later under the same prefix
+    lines = []
+    for step in (1, 2, 3):
+        rank0 = titan(step, 8192, second=step, memory=10.0)
+        rank1 = titan(step, 4096, second=step, memory=30.0 + step, prefix="[rank1]:")
+        if step == 2:
+            cut = rank1.index("tps: 4,0") + len("tps: 4,")  # also cuts the number itself
+            lines += [rank1[:cut] + rank0, "[rank1]:" + rank1[cut:]]
+        else:
+            lines += [rank0, rank1]
+    parsed = parse_lines(lines, "torchtitan", SHAPE)
+    assert parsed.failure(3) is None and parsed.problems == []
+    assert [s["step"] for s in parsed.steps] == [1, 2, 3]
+    step = parsed.steps[1]
+    assert step["peak_mem_gib"] == pytest.approx(32.0)  # rank 1's, from its reassembled line
+    assert step["step_time_s"] == pytest.approx(8192 / 4096)  # 4,096 whole, not "4,"
+
+
+def test_tee_lines_keeps_a_ranks_text_that_starts_with_a_prefix():
+    tee = TeeLines()
+    # torch's C++ warnings print their own `[rank0]:` (an empty piece is never a cut)
+    assert tee.split("[rank0]:[rank0]:[W1204 ProcessGroupNCCL.cpp] x\n") == [
+        "[rank0]:[rank0]:[W1204 ProcessGroupNCCL.cpp] x"
+    ]
+    assert tee.split("plain words\n") == ["plain words"]
+    # srun --label stays in front; a piece a killed rank never ended comes back at the end
+    assert tee.split("3: [rank1]:half[rank0]:whole\n") == ["3: [rank0]:whole"]
+    assert tee.split("3: [rank1]: and the rest\n") == ["3: [rank1]:half and the rest"]
+    assert tee.split("[rank2]:cut off[rank0]:last\n") == ["[rank0]:last"]
+    assert tee.rest() == ["[rank2]:cut off"]
 
 
 def test_titan_zero_tflops_is_unknown_and_log_interval_is_flagged():

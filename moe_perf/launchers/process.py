@@ -21,7 +21,7 @@ from typing import TextIO
 
 from moe_perf.launchers.failures import LaunchFailure, describe, read_failure
 from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
-from moe_perf.report.logformats import LogReader, ParsedLog, RunShape
+from moe_perf.report.logformats import LogReader, ParsedLog, RunShape, TeeLines
 from moe_perf.runner.progress import StepProgress
 
 # torchrun --tee prefixes every worker line with its local rank: "[default0]:" (or "[rank0]:").
@@ -78,10 +78,14 @@ class _Pump:
         self.thread = threading.Thread(target=self._run, name=f"pump-{label}", daemon=True)
 
     def _run(self) -> None:
+        tee = TeeLines()  # a rank's line torchrun passed on in two pieces is one line again
         for line in self.stream:
-            self.log.write(line)
+            self.log.write(line)  # as torchrun printed it
             self.log.flush()
-            self._handle(line.rstrip("\n"))
+            for whole in tee.split(line):
+                self._handle(whole)
+        for piece in tee.rest():
+            self._handle(piece)
 
     def _handle(self, line: str) -> None:
         sample = self.reader.feed(line)

@@ -35,7 +35,8 @@ are flagged (`interval_steps`); non-finite or negative values and 0 TFLOP/s or M
 Validation, before a line counts: a step time or tokens/s that is printed but not a positive
 finite number, a step beyond the line's own `/N`, a step printed after a later one, or a step
 printed twice with different values by the same rank is a `problem`: the log cannot stand as a
-result (`ParsedLog.failure`). The same line printed twice is dropped with a note.
+result (`ParsedLog.failure`). The same line printed twice is dropped with a note. Before any of
+this, a line torchrun --tee passed on in two pieces is made whole again (`TeeLines`).
 """
 
 from __future__ import annotations
@@ -117,6 +118,55 @@ def clean(line: str) -> tuple[int | None, str]:
     match = _PREFIX_RE.match(text)
     rank = int(match.group(1)) if match.group(1) is not None else None
     return rank, text[match.end() :]
+
+
+# torchrun's own prefix anywhere in a line; `srun --label` comes only first.
+_TEE_PREFIX_RE = re.compile(r"\[(?:rank|default)\d+\]:")
+_SRUN_LABEL_RE = re.compile(r"^\s*\d+:\s")
+
+
+class TeeLines:
+    """Whole lines back from torchrun --tee's stdout. torchrun copies each rank's log file with
+    readline(), which at the end of a file returns what is written so far; so a line can come
+    in two pieces, each with the rank's prefix and no newline after the first, other ranks'
+    lines glued on in between: `[rank1]:...step:  6 ...tps: 3,1[rank0]:...step:  6 ...` then
+    `[rank1]:90  tflops: ...`. Read as lines, both would be rank 1's step 6 with other values
+    (seen in CI, about once in a few hundred sweeps). `split` gives each whole line once, with
+    its prefix; `rest` the pieces a stream ended on. A prefix right after another is a rank's
+    text (torch's C++ warnings start `[rank0]:`), never a cut: readline never returns ""."""
+
+    def __init__(self) -> None:
+        self._pending: dict[str, str] = {}  # srun label + prefix -> the line so far
+
+    def split(self, line: str) -> list[str]:
+        line = line.rstrip("\n")
+        label = _SRUN_LABEL_RE.match(line)
+        label = label.group(0) if label else ""
+        pieces, key, start = [], None, len(label)  # (prefix or None, text) in arrival order
+        for cut in _TEE_PREFIX_RE.finditer(line, len(label)):
+            if cut.start() == start and key is not None:
+                continue  # right after a prefix: the rank's own text
+            if cut.start() > start or key is not None:
+                pieces.append((key, line[start : cut.start()]))
+            key, start = label + cut.group(0), cut.end()
+        pieces.append((key, line[start:]))
+        whole = []
+        for i, (key, text) in enumerate(pieces):
+            if key is None:  # before any prefix: torchrun's own words, or not torchrun's
+                whole.append(label + text)
+                continue
+            text = self._pending.pop(key, "") + text
+            if i < len(pieces) - 1:
+                self._pending[key] = text  # no newline after it: the line goes on later
+            else:
+                whole.append(key + text)
+        return whole
+
+    def rest(self) -> list[str]:
+        """The pieces no newline ever ended (a rank killed mid-line)."""
+        rest = [key + text for key, text in self._pending.items()]
+        self._pending.clear()
+        return rest
 
 
 def _number(text: str | None) -> float | None:
@@ -682,7 +732,8 @@ def parse_lines(
     lines: Iterable[str], log_format: str = "auto", shape: RunShape | None = None
 ) -> ParsedLog:
     """The normalized steps of these lines; `auto` detects the format (contract when none)."""
-    lines = list(lines)
+    tee = TeeLines()
+    lines = [whole for line in lines for whole in tee.split(line)] + tee.rest()
     if log_format == "auto":
         log_format = detect_format(lines) or "contract"
     reader = LogReader(log_format, shape)
