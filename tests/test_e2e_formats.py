@@ -36,6 +36,32 @@ STAND_IN = textwrap.dedent(
         now = datetime.datetime.now()
         return now.strftime("%Y-%m-%d %H:%M:%S") + sep + f"{now.microsecond // 1000:03d}"
 
+    def pause_mid_line(line):
+        """Rank 1 writes half its line (cut inside the tps number) and waits while torchrun's
+        tee copies the half, a print of its own to stdout, then rank 0's whole line; rank 0
+        waits for that. What is left of the line is returned, to be printed."""
+        half_out, rank0_out = (os.path.join(os.environ["MOE_PERF_ARM_DIR"], name)
+                               for name in ("half-out", "rank0-out"))
+        if rank == 0:
+            wait_for(half_out)
+            open(rank0_out, "w").close()  # once printed: the caller prints it right after
+            return line
+        cut = line.index("tps: ") + 6
+        sys.stderr.write(line[:cut])
+        sys.stderr.flush()
+        time.sleep(0.3)  # torchrun's tail reads every 0.1 s
+        print("rank 1: a print of its own while its log line is half written", flush=True)
+        time.sleep(0.3)
+        open(half_out, "w").close()
+        wait_for(rank0_out)
+        time.sleep(0.3)
+        return line[cut:]
+
+    def wait_for(path):
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
     print(f"rank {rank} of {world} starting", flush=True)
     last = time.perf_counter()
     for step in range(1, steps + 1):
@@ -48,16 +74,13 @@ STAND_IN = textwrap.dedent(
                     f" 7.5000  {ESC}[38;2;180;60;0mgrad_norm:  1.0000  {ESC}[38;2;54;234;195m"
                     f"memory: {1.5 + rank:5.2f}GiB(1.00%)  {ESC}[34mtps: {round(tps):,}  "
                     f"{ESC}[36mtflops: 0.00  {ESC}[35mmfu: N/A{ESC}[39m")
-            if os.environ.get("PAUSE_MID_LINE") and rank == 1 and step == 2:
-                cut = line.index("tps: ") + 6  # inside the number
-                sys.stdout.write(line[:cut])
-                sys.stdout.flush()
-                time.sleep(0.5)  # torchrun's tail reads the half line; rank 0 prints meanwhile
-                line, last = line[cut:], time.perf_counter()
-            print(line, flush=True)
+            if os.environ.get("PAUSE_MID_LINE") and step == 2:
+                line, last = pause_mid_line(line), time.perf_counter()
+            print(line, file=sys.stderr, flush=True)  # torchtitan logs to stderr
             if step == 2:
                 print(f"[titan] {stamp()} - root - INFO - {ESC}[33mvalidate step: {step:2}  "
-                      f"{ESC}[32mloss:  9.0000  {ESC}[34mtps: 1{ESC}[39m", flush=True)
+                      f"{ESC}[32mloss:  9.0000  {ESC}[34mtps: 1{ESC}[39m", file=sys.stderr,
+                      flush=True)
         elif fmt == "megatron" and rank == world - 1:  # the last pipeline rank prints
             skipped = 1 if step == 3 else 0
             print(f" [{stamp('.')}] iteration {step:8d}/{steps:8d} | consumed samples: "
@@ -150,18 +173,19 @@ def test_torchtitan_every_rank_per_device_tps(repo):
 
 def test_torchtitan_line_torchrun_passes_on_in_two_pieces(repo):
     # rank 1 writes half its step 2 line and pauses: torchrun's tee prints that half without a
-    # newline, rank 0's lines glued on, and the rest later under rank 1's prefix
+    # newline, rank 0's line glued on, and the rest later under rank 1's prefix; rank 1's print
+    # to stdout meanwhile comes under the same prefix, but in torchrun's other stream
     result = sweep(repo, "torchtitan", "mesh=ep2", env={"PAUSE_MID_LINE": "1"})
     assert_feat_slower(repo, result)
     tag = "pp1-dp2-cp1-ep2-seq64-fp32"
     for arm, rec in records(repo, tag).items():
-        console = (sweep_dir(repo) / "tiny" / f"{tag}-{arm}" / "console.log").read_text()
-        glued = r"\[(?:rank|default)1\]:[^\n]*tps: \d\[(?:rank|default)0\]:"  # as torchrun printed it
-        assert re.search(glued, console)
         assert rec["status"] == "ok" and [s["step"] for s in rec["steps"]] == [1, 2, 3, 4, 5, 6]
         step = rec["steps"][1]
         assert step["peak_mem_gib"] == pytest.approx(2.5)  # rank 1's, from its whole line
         assert step["step_time_s"] < 0.5  # from rank 1's whole tps, not its first digit
+        console = (sweep_dir(repo) / "tiny" / f"{tag}-{arm}" / "console.log").read_text()
+        assert re.search(r"\[default1\]:[^\n]*tps: \d\[default0\]:", console)  # as printed
+        assert "[default1]:rank 1: a print of its own" in console
 
 
 def test_megatron_skipped_iteration_and_memory_report(repo):

@@ -67,25 +67,42 @@ def shown(value: float | None, spec: str) -> str:
 class _Pump:
     """Reads the launch's output: all of it to console.log, rank 0 (and torchrun) to the
     console with the arm's label, every rank's lines to the reader of the trainer's format,
-    a progress line per step in place of the step lines."""
+    a progress line per step in place of the step lines. One thread per stream: torchrun tees
+    each rank's stdout and stderr under the same prefix, so in one pipe a rank's stderr line
+    glued onto a half of its stdout line could not be told from the half's own rest."""
 
-    def __init__(self, stream: TextIO, log: TextIO, label: str, echo: TextIO,
+    def __init__(self, streams: list[TextIO], log: TextIO, label: str, echo: TextIO,
                  reader: LogReader, max_steps: int):  # fmt: skip
-        self.stream, self.log, self.label, self.echo = stream, log, label, echo
+        self.log, self.label, self.echo = log, label, echo
         self.reader, self.max_steps = reader, max_steps
         self.progress = StepProgress(label, max_steps)  # elapsed and ETA per step line
         self.quiet = False  # stopping: torchrun's words about the signal go to console.log only
-        self.thread = threading.Thread(target=self._run, name=f"pump-{label}", daemon=True)
+        self._lock = threading.Lock()  # one line at a time into console.log and the reader
+        self.threads = [
+            threading.Thread(target=self._run, args=(s,), name=f"pump-{label}", daemon=True)
+            for s in streams
+        ]
 
-    def _run(self) -> None:
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _run(self, stream: TextIO) -> None:
         tee = TeeLines()  # a rank's line torchrun passed on in two pieces is one line again
-        for line in self.stream:
-            self.log.write(line)  # as torchrun printed it
-            self.log.flush()
-            for whole in tee.split(line):
-                self._handle(whole)
-        for piece in tee.rest():
-            self._handle(piece)
+        for line in stream:
+            with self._lock:
+                self.log.write(line)  # as torchrun printed it
+                self.log.flush()
+                for whole in tee.split(line):
+                    self._handle(whole)
+        with self._lock:
+            for piece in tee.rest():
+                self._handle(piece)
 
     def _handle(self, line: str) -> None:
         sample = self.reader.feed(line)
@@ -254,15 +271,18 @@ def run_trainer(
             env=trainer_env(cwd, arm_dir, token, env, repo),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            # one process: its own two streams in one pipe keep their order; torchrun's
+            # tees: one pipe each (_Pump)
+            stderr=subprocess.STDOUT if one_process else subprocess.PIPE,
             text=True,
             errors="replace",
             bufsize=1,
             start_new_session=True,  # Ctrl-C reaches us only; we stop the launch ourselves
         )
         reader = LogReader(log_format, shape)
-        pump = _Pump(proc.stdout, log, label, echo, reader, max_steps)
-        pump.thread.start()
+        streams = [proc.stdout] if one_process else [proc.stdout, proc.stderr]
+        pump = _Pump(streams, log, label, echo, reader, max_steps)
+        pump.start()
         # The wait runs in a thread and this one joins it: a Ctrl-C landing inside
         # Popen.wait() itself, between its taking of the waitpid lock and the try that
         # releases it, leaves the lock held, and every poll() after it answers "running" for a
@@ -286,12 +306,12 @@ def run_trainer(
                        f"{kill_grace_s:g} s (launcher.kill_grace_s) for them to exit, then "
                        f"SIGKILL; Ctrl-C again to SIGKILL now")  # fmt: skip
             stop_launch(proc, token, kill_grace_s, notify)
-            pump.thread.join(timeout=5)
+            pump.join(timeout=5)
             raise
         wall_s = time.perf_counter() - start
         if stop_launch(proc, token, kill_grace_s):  # stray workers of a finished launch, if any
             raise KeyboardInterrupt("Ctrl-C while a finished arm's workers were stopped")
-        pump.thread.join(timeout=10)
+        pump.join(timeout=10)
     parsed = reader.result()
     launch = LaunchFailure(None, None, None, None)
     if exit_code != 0 and not timed_out:
