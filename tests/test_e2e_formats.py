@@ -75,12 +75,13 @@ STAND_IN = textwrap.dedent(
                     f"memory: {1.5 + rank:5.2f}GiB(1.00%)  {ESC}[34mtps: {round(tps):,}  "
                     f"{ESC}[36mtflops: 0.00  {ESC}[35mmfu: N/A{ESC}[39m")
             if os.environ.get("PAUSE_MID_LINE") and step == 2:
-                line, last = pause_mid_line(line), time.perf_counter()
+                line = pause_mid_line(line)  # the pause is in the next step, as the stamps say
             print(line, file=sys.stderr, flush=True)  # torchtitan logs to stderr
             if step == 2:
                 print(f"[titan] {stamp()} - root - INFO - {ESC}[33mvalidate step: {step:2}  "
                       f"{ESC}[32mloss:  9.0000  {ESC}[34mtps: 1{ESC}[39m", file=sys.stderr,
                       flush=True)
+                last = time.perf_counter()  # torchtitan's validation restarts its clock
         elif fmt == "megatron" and rank == world - 1:  # the last pipeline rank prints
             skipped = 1 if step == 3 else 0
             print(f" [{stamp('.')}] iteration {step:8d}/{steps:8d} | consumed samples: "

@@ -182,7 +182,7 @@ def test_titan_line_torchrun_passed_on_in_two_pieces_is_one_line():
     lines = []
     for step in (1, 2, 3):
         rank0 = titan(step, 8192, second=step, memory=10.0)
-        rank1 = titan(step, 4096, second=step, memory=30.0 + step, prefix="[rank1]:")
+        rank1 = titan(step, 4096, second=2 * step, memory=30.0 + step, prefix="[rank1]:")
         if step == 2:
             cut = rank1.index("tps: 4,0") + len("tps: 4,")  # also cuts the number itself
             lines += [rank1[:cut] + rank0, "[rank1]:" + rank1[cut:]]
@@ -194,6 +194,49 @@ def test_titan_line_torchrun_passed_on_in_two_pieces_is_one_line():
     step = parsed.steps[1]
     assert step["peak_mem_gib"] == pytest.approx(32.0)  # rank 1's, from its reassembled line
     assert step["step_time_s"] == pytest.approx(8192 / 4096)  # 4,096 whole, not "4,"
+
+
+def test_titan_tps_against_its_own_clock_catches_a_shape_the_trainer_does_not_run():
+    # the trainer ran global batch 16 where moe_perf was told 32: its 1 s steps print
+    # 16*2048/8 = 4,096 tokens/s per device, which under the given shape reads as 2 s
+    lines = [titan(step, 4096, second=10 + step) for step in (1, 2, 3)]
+    told = parse_lines(lines, "torchtitan", SHAPE)
+    assert "step 2: tps 4,096 per device means 2.000 s" in told.failure(3)
+    assert "clock says 1.000 s" in told.failure(3) and "training.global_batch" in told.failure(3)
+    ran = parse_lines(lines, "torchtitan", RunShape(16, 2048, 8))
+    assert ran.problems == [] and ran.steps[1]["step_time_s"] == pytest.approx(1.0)
+
+
+def test_titan_clock_agrees_with_a_published_torchtitan_log():
+    # stamps and tps of steps 22-29 of a torchtitan log published in pytorch/torchtitan#950
+    # (one GPU, 8 x 2048 tokens a step, ~80 ms steps, a dataset warning between two of them):
+    # tps x the time between stamps stays within 1.2% of 16,384 tokens
+    stamps_tps = [("21,511", 193831), ("21,589", 212462), ("21,667", 209645),
+                  ("21,751", 197367), ("21,848", 169197), ("21,929", 203673),
+                  ("22,009", 205287), ("22,092", 196687)]  # fmt: skip
+    lines = [
+        f"[rank0]:[titan] 2025-03-12 11:10:{stamp} - root - INFO - step: {22 + k}  loss:  6.2  "
+        f"memory:  1.41GiB(1.79%)  tps: {tps:,}  tflops: 18.36  mfu: 1.86%"
+        for k, (stamp, tps) in enumerate(stamps_tps)
+    ]
+    lines.insert(2, "[rank0]:[titan] 2025-03-12 11:10:21,603 - root - WARNING - Dataset c4_test "
+                    "is being re-looped")  # fmt: skip
+    parsed = parse_lines(lines, "torchtitan", RunShape(8, 2048, 1))
+    assert parsed.problems == [] and len(parsed.steps) == 8
+    told_16 = parse_lines(lines, "torchtitan", RunShape(16, 2048, 1))  # twice its batch
+    assert "step 23: tps 212,462 per device means 0.154 s" in told_16.failure(8)
+
+
+def test_titan_clock_restarts_at_validation_and_spans_a_log_interval():
+    # 1 s steps logged every 5 steps: 8,192 tokens/s per device over 5 steps' tokens is 5 s;
+    # a 7 s validation after step 5, which the next rate leaves out (torchtitan restarts its
+    # clock) and the stamps between the step lines do not
+    validate = titan_validate(5).replace("12:06:00,000", "12:05:22,000")
+    lines = [titan(5, 8192, second=15), validate, titan(10, 8192, second=27)]
+    parsed = parse_lines(lines, "torchtitan", SHAPE)
+    assert parsed.problems == []
+    late = [titan(5, 8192, second=15), titan(10, 8192, second=27)]  # 12 s without validation
+    assert "clock says 12.000 s" in parse_lines(late, "torchtitan", SHAPE).failure(2)
 
 
 def test_tee_lines_keeps_a_ranks_text_that_starts_with_a_prefix():

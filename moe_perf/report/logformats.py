@@ -12,9 +12,11 @@ each framework prints (read in its own source) and what it leaves out:
   (copied logs often lose the ESC byte: `[31mstep:`). `tps` is PER DEVICE: local tokens /
   (time x cp x tp x pp), the local tokens counted before the CP split, so global tokens/s =
   tps x world. No step time is printed: it is global_batch x seq / world / tps where the shape
-  is known, else the difference of two lines' timestamps. `memory` is the peak reserved since
-  the last log line; `tflops: 0.00` / `mfu: N/A` mean not computed. `validate step:` lines are
-  evaluation and never a training step. Any rank may print its own line.
+  is known, else the difference of two lines' timestamps. Where both are known, a rank's rate
+  that disagrees with its own stamps is a problem (`LogReader._check_clock`). `memory` is the
+  peak reserved since the last log line; `tflops: 0.00` / `mfu: N/A` mean not computed.
+  `validate step:` lines are evaluation and never a training step. Any rank may print its own
+  line.
 * megatron: ` [2024-04-06 02:59:36] iteration  43/ 100 | consumed samples: ... | elapsed time
   per iteration (ms): 5444.9 | throughput per GPU (TFLOP/s/GPU): 239.8 | ... | global batch
   size: 128 | lm loss: ... | number of skipped iterations: 0 |` from the last pipeline rank;
@@ -488,6 +490,7 @@ class LogReader:
         self._validation_lines = 0
         self._nemo_offset: int | None = None
         self._last: dict[int | None, dict] = {}  # per rank: the last step line it printed
+        self._clock: dict[int | None, list] = {}  # per rank: [timestamp, step] of torchtitan's
         self._dropped_repeats: list[int] = []
         self.problems: list[str] = []
         self.env: dict | None = None
@@ -507,11 +510,13 @@ class LogReader:
         raw = self._parse(text)
         self.step_line = raw is not None
         if raw is None:
-            self._note_other(text)
+            self._note_other(rank, text)
             return None
         if self.log_format == "nemo":
             raw["step"] = self._nemo_step(raw)
         self._check_values(raw)
+        if self.log_format == "torchtitan":
+            self._check_clock(rank, raw)
         if rank is not None and not self._in_order(rank, raw):
             return None  # without a rank prefix every rank's line looks alike: no order check
         new = raw["step"] not in self._raws
@@ -568,13 +573,42 @@ class LogReader:
             self.problems.append(f"step {step} printed twice with different values")
         return False
 
-    def _note_other(self, text: str) -> None:
+    def _check_clock(self, rank: int | None, raw: dict) -> None:
+        """torchtitan prints tokens/s per device, not its step time, so the time read from it
+        rests on the run's shape (tokens per step, ranks). Its logger also stamps each line as
+        the rate is computed: the time since the rank's last line that reset its clock (a step
+        or a validation) is a second reading of the same interval. Off by more than a quarter
+        (and 50 ms: the stamps are to the millisecond, and its metric logging falls between
+        them), the shape is not what the trainer ran, or the line is damaged: a problem."""
+        if rank is None and self.shape.world_size != 1:
+            return  # without rank prefixes, whose line came before is unknown
+        stamp, tps = raw["timestamp"], _positive(raw["tokens_per_s_device"])
+        last = self._clock.get(rank)
+        if last is not None and raw["step"] <= last[1]:
+            return  # a repeat, or out of order: _in_order's to judge
+        self._clock[rank] = [stamp, raw["step"]]
+        tokens, world = self.shape.tokens_per_step(raw.get("global_batch")), self.shape.world_size
+        if None in (last, stamp, tps, tokens, world) or last[0] is None:
+            return
+        from_tps = tokens / world / tps * (raw["step"] - last[1])
+        between = stamp - last[0]
+        if abs(from_tps - between) > max(0.25 * between, 0.05):
+            self.problems.append(
+                f"step {raw['step']}: tps {tps:,.0f} per device means {from_tps:.3f} s for "
+                f"{tokens:g} tokens over {world} ranks, but the log's own clock says "
+                f"{between:.3f} s; the trainer does not run the shape moe_perf was given "
+                f"(training.global_batch, training.sequence_length, mesh), or the line is damaged"
+            )
+
+    def _note_other(self, rank: int | None, text: str) -> None:
         if self.log_format in ("megatron", "nemo"):
             gib = memory_gib(text)
             if gib is not None:
                 self._memory.append(gib)
         if self.log_format == "torchtitan" and _TITAN_VALIDATE_RE.search(text):
             self._validation_lines += 1
+            if rank in self._clock:  # validation resets torchtitan's clock: the next step's
+                self._clock[rank][0] = _timestamp(text)  # rate leaves it out
 
     def _nemo_step(self, raw: dict) -> int:
         # NeMo's global_step counts from 0; so does `iteration` in the releases that print it
