@@ -189,6 +189,25 @@ def test_torchtitan_line_torchrun_passes_on_in_two_pieces(repo):
         assert "[default1]:rank 1: a print of its own" in console
 
 
+def test_torchtitan_command_that_runs_another_batch_fails_naming_the_override(repo):
+    # the command ignores training.global_batch=16 and runs 1 sequence a step: its tps, read
+    # against 16 x 64 tokens, would claim 16x the step time the stamps show
+    command = ("trainer.command=[fake/train.py,'{trainer.log_format}','{training.max_steps}',"
+               "'1','{training.sequence_length}']")  # fmt: skip
+    result = moe_perf(
+        repo, "trainer=command", command, "trainer.log_format=torchtitan",
+        "training.sequence_length=64", "training.global_batch=16", "training.max_steps=4",
+        "wandb.mode=disabled", "timeout_s=120", "-m", "arm=base,feat",
+    )  # fmt: skip
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    for arm in ("base", "feat"):
+        rec = json.loads((sweep_dir(repo) / "tiny" / f"{TAG}-{arm}" / "metrics.json").read_text())
+        assert rec["status"] == "failed"
+        assert "but the log's own stamps say" in rec["failure"]
+        assert "training.global_batch" in rec["failure"]
+    assert "No difference computed" in result.stdout
+
+
 def test_megatron_skipped_iteration_and_memory_report(repo):
     result = sweep(repo, "megatron")
     assert_feat_slower(repo, result)

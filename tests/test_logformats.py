@@ -202,7 +202,8 @@ def test_titan_tps_against_its_own_clock_catches_a_shape_the_trainer_does_not_ru
     lines = [titan(step, 4096, second=10 + step) for step in (1, 2, 3)]
     told = parse_lines(lines, "torchtitan", SHAPE)
     assert "step 2: tps 4,096 per device means 2.000 s" in told.failure(3)
-    assert "clock says 1.000 s" in told.failure(3) and "training.global_batch" in told.failure(3)
+    assert "stamps say 1.000 s" in told.failure(3) and "training.global_batch" in told.failure(3)
+    assert len(told.problems) == 1 and told.problems[0].endswith("(and at 1 more)")  # step 3
     ran = parse_lines(lines, "torchtitan", RunShape(16, 2048, 8))
     assert ran.problems == [] and ran.steps[1]["step_time_s"] == pytest.approx(1.0)
 
@@ -236,7 +237,7 @@ def test_titan_clock_restarts_at_validation_and_spans_a_log_interval():
     parsed = parse_lines(lines, "torchtitan", SHAPE)
     assert parsed.problems == []
     late = [titan(5, 8192, second=15), titan(10, 8192, second=27)]  # 12 s without validation
-    assert "clock says 12.000 s" in parse_lines(late, "torchtitan", SHAPE).failure(2)
+    assert "stamps say 12.000 s" in parse_lines(late, "torchtitan", SHAPE).failure(2)
 
 
 def test_tee_lines_keeps_a_ranks_text_that_starts_with_a_prefix():

@@ -491,6 +491,7 @@ class LogReader:
         self._nemo_offset: int | None = None
         self._last: dict[int | None, dict] = {}  # per rank: the last step line it printed
         self._clock: dict[int | None, list] = {}  # per rank: [timestamp, step] of torchtitan's
+        self._clock_off, self._clock_problem = 0, 0  # steps whose rate and stamps disagree
         self._dropped_repeats: list[int] = []
         self.problems: list[str] = []
         self.env: dict | None = None
@@ -592,13 +593,21 @@ class LogReader:
             return
         from_tps = tokens / world / tps * (raw["step"] - last[1])
         between = stamp - last[0]
-        if abs(from_tps - between) > max(0.25 * between, 0.05):
-            self.problems.append(
-                f"step {raw['step']}: tps {tps:,.0f} per device means {from_tps:.3f} s for "
-                f"{tokens:g} tokens over {world} ranks, but the log's own clock says "
-                f"{between:.3f} s; the trainer does not run the shape moe_perf was given "
-                f"(training.global_batch, training.sequence_length, mesh), or the line is damaged"
-            )
+        if abs(from_tps - between) <= max(0.25 * between, 0.05):
+            return
+        self._clock_off += 1
+        if self._clock_off > 1:  # the first one says it; the others are counted
+            first = self.problems[self._clock_problem].split(" (and at ")[0]
+            self.problems[self._clock_problem] = f"{first} (and at {self._clock_off - 1} more)"
+            return
+        self._clock_problem = len(self.problems)
+        ranks = f"{world:g} rank{'s' if world != 1 else ''}"
+        self.problems.append(
+            f"step {raw['step']}: tps {tps:,.0f} per device means {from_tps:.3f} s for "
+            f"{tokens:g} tokens over {ranks}, but the log's own stamps say {between:.3f} s: the "
+            f"trainer does not run the shape it was given (training.global_batch, "
+            f"training.sequence_length, mesh), or the line is damaged"
+        )
 
     def _note_other(self, rank: int | None, text: str) -> None:
         if self.log_format in ("megatron", "nemo"):
