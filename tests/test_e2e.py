@@ -110,7 +110,7 @@ def test_two_meshes_give_two_comparisons(two_mesh_sweep):
     assert ep2["environment"]["world_size"] == 2
     ep2_dir = Path(ep2["arm_dir"])
     assert len(list((ep2_dir / "torchrun").rglob("stdout.log"))) == 2
-    assert "[default1]:rank 1 done" in (ep2_dir / "console.log").read_text()  # all ranks saved
+    assert "[rank1]:rank 1 done" in (ep2_dir / "console.log").read_text()  # all ranks saved
     assert "rank 1 done" not in result.stdout and "rank 0 done" in result.stdout  # rank 0 shown
     assert "[base] step 2/6" in result.stdout  # ...rank 0 shown
 

@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from conftest import commit, git, make_repo, moe_perf, sweep_dir
+
+from moe_perf.launchers.base import free_port
+from moe_perf.launchers.process import trainer_env
+from moe_perf.report.logformats import RunShape, parse_lines
 
 pytestmark = pytest.mark.slow
 TAG = "pp1-dp1-cp1-ep1-seq64-fp32"
@@ -185,8 +191,8 @@ def test_torchtitan_line_torchrun_passes_on_in_two_pieces(repo):
         assert step["peak_mem_gib"] == pytest.approx(2.5)  # rank 1's, from its whole line
         assert step["step_time_s"] < 0.5  # from rank 1's whole tps, not its first digit
         console = (sweep_dir(repo) / "tiny" / f"{tag}-{arm}" / "console.log").read_text()
-        assert re.search(r"\[default1\]:[^\n]*tps: \d\[default0\]:", console)  # as printed
-        assert "[default1]:rank 1: a print of its own" in console
+        assert re.search(r"\[rank1\]:[^\n]*tps: \d\[rank0\]:", console)  # as printed
+        assert "[rank1]:rank 1: a print of its own" in console
 
 
 def test_torchtitan_command_that_runs_another_batch_fails_naming_the_override(repo):
@@ -206,6 +212,30 @@ def test_torchtitan_command_that_runs_another_batch_fails_naming_the_override(re
         assert "but the log's own stamps say" in rec["failure"]
         assert "training.global_batch" in rec["failure"]
     assert "No difference computed" in result.stdout
+
+
+def test_two_torchrun_nodes_print_global_ranks(repo, tmp_path):
+    # what srun starts on two nodes, here on one host: a torchrun agent per node, one worker
+    # each, both every-rank torchtitan loggers. By default both would prefix `[default0]:`,
+    # and the two nodes' step lines would read as one rank printing each step twice.
+    env = trainer_env(repo, tmp_path, "token")
+    flags = (f"--nnodes 2 --nproc-per-node 1 --rdzv-backend static --master-addr localhost "
+             f"--master-port {free_port()} --tee 3").split()  # fmt: skip
+    stand_in = ["fake/train.py", "torchtitan", "4", "4", "64"]
+
+    def agent(node: int) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "torch.distributed.run", *flags, "--node-rank", str(node),
+                "--log-dir", str(tmp_path / str(node)), *stand_in]  # fmt: skip
+        return subprocess.Popen(argv, cwd=repo, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+    agents = [agent(0), agent(1)]
+    lines = [line for proc in agents for line in proc.communicate(timeout=120)[0].splitlines()]
+    assert [proc.returncode for proc in agents] == [0, 0]
+    assert any(line.startswith("[rank1]:[titan]") for line in lines)  # node 1's worker
+    parsed = parse_lines(lines, "torchtitan", RunShape(4, 64, 2))
+    assert parsed.problems == [] and [s["step"] for s in parsed.steps] == [1, 2, 3, 4]
+    assert parsed.steps[1]["peak_mem_gib"] == pytest.approx(2.5)  # node 1's, the larger
 
 
 def test_megatron_skipped_iteration_and_memory_report(repo):

@@ -252,7 +252,7 @@ def test_launcher_slurm_sweep_matches_local(slurm_cluster, local_sweep, tmp_path
     for arm in ("base", "feat"):
         console = (sweep_dir(repo) / "tiny" / f"{TAG}-{arm}" / "console.log").read_text()
         assert console.startswith("# srun --nodes=1 ")  # the arm ran as an srun step
-        assert "--rdzv-endpoint" in console and "[default1]:" in console
+        assert "--rdzv-endpoint" in console and "[rank1]:" in console
         assert f"[{arm}] step 3/6" in result.stdout  # progress streamed as locally
     assert "# moe_perf comparison" in result.stdout
 

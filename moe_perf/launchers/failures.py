@@ -10,8 +10,9 @@ torchrun exits 1 whenever a worker fails; its error summary names the root cause
       rank      : 0 (local_rank: 0)
       exitcode  : 3 (pid: 2064)                 (-9 ... (SIGKILL) for a signal)
 
-Workers' lines carry torchrun's `[default0]:` prefix; torchrun's own traceback has none, so
-the worker's exception is told apart from torchrun's ChildFailedError.
+Workers' lines carry torchrun's `[rank0]:` prefix (the global rank, as trainer_env asks; by
+default `[default0]:`, the local one); torchrun's own traceback has none, so the worker's
+exception is told apart from torchrun's ChildFailedError.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 torchrun's start and exit cost about 2.5 s per arm on a 2-core CPU and 5 s on an H200, most of
 it its own `import torch` and rendezvous. A one-process arm gets torchrun's environment for its
 one worker instead (rank 0 of 1, an env:// rendezvous on a free port), so every trainer sees the
-same world; its output has no `[default0]:` prefixes and no `torchrun/` logs (console.log holds
+same world; its output has no `[rank0]:` prefixes and no `torchrun/` logs (console.log holds
 it all), and its exit status is the trainer's own.
 """
 

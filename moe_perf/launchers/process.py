@@ -24,7 +24,8 @@ from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
 from moe_perf.report.logformats import LogReader, ParsedLog, RunShape, TeeLines
 from moe_perf.runner.progress import StepProgress
 
-# torchrun --tee prefixes every worker line with its local rank: "[default0]:" (or "[rank0]:").
+# torchrun --tee prefixes every worker line with its rank: "[rank0]:" (trainer_env asks for the
+# global rank) or, by default, the local one: "[default0]:".
 _RANK_PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
 
 
@@ -49,6 +50,10 @@ def trainer_env(worktree: Path, arm_dir: Path, token: str, extra: dict[str, str]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(worktree), env.get("PYTHONPATH")) if p)
     env["MOE_PERF_ARM_DIR"] = str(arm_dir)
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the console as the step ends, not at exit
+    # torchrun's --tee prefix with the global rank, where its default has the local one: on
+    # two nodes both would print `[default0]:`, and where every rank logs its steps
+    # (torchtitan) one rank's line could not be told from another's (ignored by torchrun < 2.2)
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "[rank${rank}]:"
     # every process of the launch carries these: leftovers are found even after torchrun (its
     # workers run in sessions of their own) or the runner itself is gone (orphans.py)
     env[LAUNCH_TOKEN_ENV] = token
