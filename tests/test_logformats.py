@@ -254,6 +254,18 @@ def test_tee_lines_keeps_a_ranks_text_that_starts_with_a_prefix():
     assert tee.rest() == ["[rank2]:cut off"]
 
 
+def test_titan_two_nodes_under_srun_label_with_local_rank_prefixes():
+    # a log of another launch: torchrun's default prefix is the local rank, the same on each
+    # node; srun --label's task number tells the nodes apart
+    lines = [f"{node}: " + titan(step, 8192 - 1000 * node, second=step, memory=10.0 + node,
+                                 prefix="[default0]:")
+             for step in (1, 2, 3) for node in (0, 1)]  # fmt: skip
+    parsed = parse_lines(lines, "torchtitan", RunShape(8, 2048, 2))
+    assert parsed.problems == [] and [s["step"] for s in parsed.steps] == [1, 2, 3]
+    assert parsed.steps[1]["peak_mem_gib"] == pytest.approx(11.0)  # node 1's
+    assert parsed.steps[1]["step_time_s"] == pytest.approx(8192 / 7192)  # the slower node's
+
+
 def test_titan_zero_tflops_is_unknown_and_log_interval_is_flagged():
     lines = [titan(1, 8192, tflops="0.00"), titan(10, 8192, second=9, tflops="0.00"),
              titan(20, 8192, second=19, tflops="0.00")]  # fmt: skip

@@ -489,8 +489,8 @@ class LogReader:
         self._memory: list[float] = []
         self._validation_lines = 0
         self._nemo_offset: int | None = None
-        self._last: dict[int | None, dict] = {}  # per rank: the last step line it printed
-        self._clock: dict[int | None, list] = {}  # per rank: [timestamp, step] of torchtitan's
+        self._last: dict = {}  # per rank (and node): the last step line it printed
+        self._clock: dict = {}  # per rank (and node): [timestamp, step] of torchtitan's
         self._clock_off, self._clock_problem = 0, 0  # steps whose rate and stamps disagree
         self._dropped_repeats: list[int] = []
         self.problems: list[str] = []
@@ -508,17 +508,21 @@ class LogReader:
         env = parse_env(text)
         if env is not None:
             self.env = env
+        # who printed it: srun --label's task (the node) as well, where torchrun's prefix has
+        # the local rank (its default; a log from another launch) and is the same on each node
+        label = _SRUN_LABEL_RE.match(line)
+        who = None if rank is None else (label.group(0).strip() if label else "", rank)
         raw = self._parse(text)
         self.step_line = raw is not None
         if raw is None:
-            self._note_other(rank, text)
+            self._note_other(who, text)
             return None
         if self.log_format == "nemo":
             raw["step"] = self._nemo_step(raw)
         self._check_values(raw)
         if self.log_format == "torchtitan":
-            self._check_clock(rank, raw)
-        if rank is not None and not self._in_order(rank, raw):
+            self._check_clock(who, raw)
+        if who is not None and not self._in_order(who, raw):
             return None  # without a rank prefix every rank's line looks alike: no order check
         new = raw["step"] not in self._raws
         self._raws.setdefault(raw["step"], []).append(raw)
@@ -558,12 +562,12 @@ class LogReader:
                 printed = f"step {raw['step']}: {key}={value:g}"
                 self.problems.append(f"{printed} is not a positive number")
 
-    def _in_order(self, rank: int | None, raw: dict) -> bool:
+    def _in_order(self, who: object, raw: dict) -> bool:
         """Whether this rank's step line counts: a step going backwards or printed again with
         other values is a problem; the same line printed twice is dropped with a note."""
         step = raw["step"]
-        last = self._last.get(rank)
-        self._last[rank] = raw
+        last = self._last.get(who)
+        self._last[who] = raw
         if last is None or step > last["step"]:
             return True
         if step < last["step"]:
@@ -574,20 +578,20 @@ class LogReader:
             self.problems.append(f"step {step} printed twice with different values")
         return False
 
-    def _check_clock(self, rank: int | None, raw: dict) -> None:
+    def _check_clock(self, who: tuple | None, raw: dict) -> None:
         """torchtitan prints tokens/s per device, not its step time, so the time read from it
         rests on the run's shape (tokens per step, ranks). Its logger also stamps each line as
         the rate is computed: the time since the rank's last line that reset its clock (a step
         or a validation) is a second reading of the same interval. Off by more than a quarter
         (and 50 ms: the stamps are to the millisecond, and its metric logging falls between
         them), the shape is not what the trainer ran, or the line is damaged: a problem."""
-        if rank is None and self.shape.world_size != 1:
+        if who is None and self.shape.world_size != 1:
             return  # without rank prefixes, whose line came before is unknown
         stamp, tps = raw["timestamp"], _positive(raw["tokens_per_s_device"])
-        last = self._clock.get(rank)
+        last = self._clock.get(who)
         if last is not None and raw["step"] <= last[1]:
             return  # a repeat, or out of order: _in_order's to judge
-        self._clock[rank] = [stamp, raw["step"]]
+        self._clock[who] = [stamp, raw["step"]]
         tokens, world = self.shape.tokens_per_step(raw.get("global_batch")), self.shape.world_size
         if None in (last, stamp, tps, tokens, world) or last[0] is None:
             return
@@ -609,15 +613,15 @@ class LogReader:
             f"training.sequence_length, mesh), or the line is damaged"
         )
 
-    def _note_other(self, rank: int | None, text: str) -> None:
+    def _note_other(self, who: tuple | None, text: str) -> None:
         if self.log_format in ("megatron", "nemo"):
             gib = memory_gib(text)
             if gib is not None:
                 self._memory.append(gib)
         if self.log_format == "torchtitan" and _TITAN_VALIDATE_RE.search(text):
             self._validation_lines += 1
-            if rank in self._clock:  # validation resets torchtitan's clock: the next step's
-                self._clock[rank][0] = _timestamp(text)  # rate leaves it out
+            if who in self._clock:  # validation resets torchtitan's clock: the next step's
+                self._clock[who][0] = _timestamp(text)  # rate leaves it out
 
     def _nemo_step(self, raw: dict) -> int:
         # NeMo's global_step counts from 0; so does `iteration` in the releases that print it
