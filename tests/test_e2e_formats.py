@@ -55,12 +55,12 @@ STAND_IN = textwrap.dedent(
         cut = line.index("tps: ") + 6
         sys.stderr.write(line[:cut])
         sys.stderr.flush()
-        time.sleep(0.3)  # torchrun's tail reads every 0.1 s
+        time.sleep(1.0)  # torchrun's tail reads every 0.1 s: ample, even on a busy CI host
         print("rank 1: a print of its own while its log line is half written", flush=True)
-        time.sleep(0.3)
+        time.sleep(1.0)
         open(half_out, "w").close()
         wait_for(rank0_out)
-        time.sleep(0.3)
+        time.sleep(1.0)
         return line[cut:]
 
     def wait_for(path):
