@@ -203,7 +203,7 @@ def test_titan_tps_against_its_own_clock_catches_a_shape_the_trainer_does_not_ru
     told = parse_lines(lines, "torchtitan", SHAPE)
     assert "step 2: tps 4,096 per device means 2.000 s" in told.failure(3)
     assert "stamps say 1.000 s" in told.failure(3) and "training.global_batch" in told.failure(3)
-    assert len(told.problems) == 1 and told.problems[0].endswith("(and at 1 more)")  # step 3
+    assert len(told.problems) == 1 and told.problems[0].endswith("(and 1 more such step)")  # step 3
     ran = parse_lines(lines, "torchtitan", RunShape(16, 2048, 8))
     assert ran.problems == [] and ran.steps[1]["step_time_s"] == pytest.approx(1.0)
 

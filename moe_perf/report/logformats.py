@@ -133,7 +133,7 @@ class TeeLines:
     in two pieces, each with the rank's prefix and no newline after the first, other ranks'
     lines glued on in between: `[rank1]:...step:  6 ...tps: 3,1[rank0]:...step:  6 ...` then
     `[rank1]:90  tflops: ...`. Read as lines, both would be rank 1's step 6 with other values
-    (seen in CI, about once in a few hundred sweeps). `split` gives each whole line once, with
+    (seen once in CI), or a cut number a wrong figure. `split` gives each whole line once, with
     its prefix; `rest` the pieces a stream ended on. A prefix right after another is a rank's
     text (torch's C++ warnings start `[rank0]:`), never a cut: readline never returns ""."""
 
@@ -601,8 +601,11 @@ class LogReader:
             return
         self._clock_off += 1
         if self._clock_off > 1:  # the first one says it; the others are counted
-            first = self.problems[self._clock_problem].split(" (and at ")[0]
-            self.problems[self._clock_problem] = f"{first} (and at {self._clock_off - 1} more)"
+            more = self._clock_off - 1
+            first = self.problems[self._clock_problem].split(" (and ")[0]
+            self.problems[self._clock_problem] = (
+                f"{first} (and {more} more such step{'s' if more > 1 else ''})"
+            )
             return
         self._clock_problem = len(self.problems)
         ranks = f"{world:g} rank{'s' if world != 1 else ''}"
