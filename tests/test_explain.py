@@ -158,19 +158,27 @@ def test_categorize_cpu_op_chains(chain, in_experts, key):
 
 
 def test_a_planted_elementwise_pass_is_that_category(tmp_path):
-    base = arm_record(tmp_path, "base", Step(**CPU_SIZES))
     # 1200 passes, about 150 ms a step here: 600 (75 ms) was once inside the noise of a run
-    # with two descheduled steps of five under another worker's load
-    feat = arm_record(tmp_path, "feat", Step(**CPU_SIZES, extra_elementwise=1200))
-    section = explain.explain_group([base, feat])
-    rows = {r["category"]: r for r in section["categories"]}
-    assert section["moved_most"] == "norms_elementwise"
-    assert (
-        rows["norms_elementwise"]["beyond_noise"] and rows["norms_elementwise"]["delta_ms"] > 0
-    ), rows["norms_elementwise"]
-    # under another worker's load the other categories move too: 2.9x seen in a CI try
-    others = [r["delta_ms"] for k, r in rows.items() if k not in ("norms_elementwise", "host_idle")]
-    assert rows["norms_elementwise"]["delta_ms"] > 2 * max(abs(d) for d in others)
+    # with two descheduled steps of five under another worker's load. The noise is the widest
+    # per-step range, so one step that another process doubled (a CI run: feat 222 ms a step, a
+    # range above that) hides even this; a try is then taken again, three at most, and the
+    # category that moved most is asserted on every try.
+    for attempt in range(3):
+        base = arm_record(tmp_path / f"try{attempt}", "base", Step(**CPU_SIZES))
+        feat = arm_record(tmp_path / f"try{attempt}", "feat",
+                          Step(**CPU_SIZES, extra_elementwise=1200))  # fmt: skip
+        section = explain.explain_group([base, feat])
+        rows = {r["category"]: r for r in section["categories"]}
+        assert section["moved_most"] == "norms_elementwise"
+        row = rows["norms_elementwise"]
+        # under another worker's load the other categories move too: 2.9x seen in a CI try
+        skip = ("norms_elementwise", "host_idle")
+        others = [r["delta_ms"] for k, r in rows.items() if k not in skip]
+        if row["beyond_noise"] and row["delta_ms"] > 2 * max(abs(d) for d in others):
+            break
+    else:
+        pytest.fail(f"three tries, the planted pass never beyond its noise: {row}")
+    assert row["delta_ms"] > 0
     text = "\n".join(explain.markdown({"explain": section}))
     assert "Moved most: norms/elementwise" in text and "not the measured steps" in text
 
