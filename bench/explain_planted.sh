@@ -34,16 +34,16 @@ git checkout -q -b more-expert-work
 import sys
 from pathlib import Path
 
-anchor = "return torch._grouped_mm(h_NF, w2, offs=offsets_L)"
+anchor = "return expert_bmm(h_LJF, w2).view(x_ND.shape[0], -1)"
 (path,) = [p for p in Path("moe_perf/trainer").glob("*.py") if anchor in p.read_text()]
 lines = path.read_text().splitlines(keepends=True)
 (at,) = [i for i, line in enumerate(lines) if anchor in line]
 pad = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
 lines[at:at] = [f"{pad}for _ in range({sys.argv[1]}):  # planted\n",
-                f"{pad}    torch._grouped_mm(x_ND, w1, offs=offsets_L)\n"]
+                f"{pad}    expert_bmm(x_LJD, w1)\n"]
 path.write_text("".join(lines))
 EOF
-git commit -q -am "plant $EXTRA extra grouped GEMMs in the experts' forward"
+git commit -q -am "plant $EXTRA extra expert matmuls in the experts' forward"
 
 SHAPES=(model=qwen3-30b-a3b model.num_layers=2 mesh=single dtype=bf16
         training.sequence_length=2048 training.global_batch=8 training.micro_batch=8

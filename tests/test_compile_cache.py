@@ -144,3 +144,39 @@ def test_a_graph_with_a_custom_autograd_function_is_cached_and_misses_when_its_b
     assert same["hit"] > 0 and same.get("miss", 0) == 0
     changed = _compiled_grad(tmp_path, "feat-backward-changed", 5.0)  # gradient checked: 5x
     assert changed["miss"] > 0 and changed.get("hit", 0) == 0
+
+
+def test_bytecode_is_cached_for_the_arms_where_the_environment_forbids_it_beside_sources(
+    tmp_path,
+):
+    """PYTHONDONTWRITEBYTECODE=1 in the runner's environment: the arms compile each imported
+    module once into the compile cache (PYTHONPYCACHEPREFIX), torch's too, and each worktree's
+    own bytecode goes with its worktree."""
+    repo = copy_of_moe_perf(tmp_path / "repo")
+    cache = tmp_path / "compile-cache"
+    run = ["dtype=fp32", "model.num_layers=1", "training.sequence_length=32",
+           "training.global_batch=2", "training.max_steps=2", "wandb.mode=disabled"]  # fmt: skip
+    result = moe_perf(tmp_path, f"repo={repo}", f"compile_cache={cache}", *run,
+                      "-m", "arm=base,feat", env={"PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+    assert_ok(result)
+    pycache = cache / "pycache"
+    torch_init = list(pycache.rglob("torch/__init__.*.pyc"))
+    assert len(torch_init) == 1, "torch's bytecode cached once, for both arms"
+    # the arms' worktrees (their trainer's modules) left nothing behind
+    assert not [p for p in pycache.rglob("*.pyc") if "/moe_perf-" in str(p)]
+    assert not [p for p in pycache.rglob("trainer") if p.is_dir() and "moe_perf-" in str(p)]
+
+
+def test_bytecode_env_respects_the_users_own_choices(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    env = compile_cache.bytecode_env(tmp_path)
+    assert env == {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
+    wt = tmp_path / "wt"
+    assert compile_cache.bytecode_dir_of(env, wt) == tmp_path / "pycache" / str(wt)[1:]
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "mine"))  # their prefix: theirs
+    assert compile_cache.bytecode_env(tmp_path) == {}
+    assert compile_cache.bytecode_dir_of({"PYTHONPYCACHEPREFIX": "/x"}, wt) is None
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
+    assert compile_cache.bytecode_env(tmp_path) == {}

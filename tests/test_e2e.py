@@ -71,7 +71,7 @@ def test_ab_sweep_feat_is_slower(two_mesh_sweep):
     for arm in ("base", "feat"):
         arm_dir = arms / f"{TAG}-{arm}"
         assert (arm_dir / "config.yaml").is_file() and (arm_dir / "console.log").is_file()
-        # one process runs without torchrun (no per-rank logs), in a process group of one
+        # one process runs without torchrun (no per-rank logs) and without a process group
         assert not (arm_dir / "torchrun").exists()
         rec = record(arm_dir)
         assert rec["environment"]["world_size"] == 1

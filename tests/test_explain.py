@@ -330,7 +330,7 @@ def test_traces_of_each_trainer_are_found(tmp_path):
 
 # ---- the real command ------------------------------------------------------------------------
 
-EXPERT_RETURN = "return torch._grouped_mm(h_NF, w2, offs=offsets_L)"
+EXPERT_RETURN = "return expert_bmm(h_LJF, w2).view(x_ND.shape[0], -1)"
 SMALL = ["dtype=fp32", "training.sequence_length=64", "training.global_batch=4",
          "training.max_steps=3", "trainer.explain_steps=5", "wandb.mode=disabled",
          "timeout_s=300", "explain=true"]  # fmt: skip
@@ -345,17 +345,18 @@ def repo_with_this_trainer(path: Path) -> Path:
 
 
 def plant_expert_gemms(repo: Path, extra: int) -> None:
-    """A feature commit: `extra` more grouped GEMMs in the routed experts' forward."""
+    """A feature commit: `extra` more expert matmuls in the routed experts' forward (the
+    batched path forced balance takes)."""
     (file,) = [p for p in (repo / "moe_perf" / "trainer").glob("*.py")
                if EXPERT_RETURN in p.read_text()]  # fmt: skip
     lines = file.read_text().splitlines(keepends=True)
     (at,) = [i for i, line in enumerate(lines) if EXPERT_RETURN in line]
     pad = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
     lines[at:at] = [f"{pad}for _ in range({extra}):  # planted: work in one known place\n",
-                    f"{pad}    torch._grouped_mm(x_ND, w1, offs=offsets_L)\n"]  # fmt: skip
+                    f"{pad}    expert_bmm(x_LJD, w1)\n"]  # fmt: skip
     git(repo, "checkout", "-q", "-b", "more-expert-work")
     file.write_text("".join(lines))
-    git(repo, "commit", "-q", "-am", f"plant {extra} extra grouped GEMMs in the experts")
+    git(repo, "commit", "-q", "-am", f"plant {extra} extra expert matmuls in the experts")
 
 
 def explain_section(cwd: Path) -> tuple[dict, str]:

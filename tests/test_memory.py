@@ -171,6 +171,7 @@ def test_the_compiled_estimate_is_what_a_compiled_block_saves():
     # shape 1.001, deepseek-v2-lite's MoE layer 1.000 and its dense layer 0.96.
     import torch
 
+    from moe_perf.trainer.attention import rope_cos_sin, rotary_dims
     from moe_perf.trainer.model import Block
 
     preset = yaml.safe_load((ROOT / "conf" / "model" / "qwen3-30b-a3b.yaml").read_text())
@@ -184,7 +185,10 @@ def test_the_compiled_estimate_is_what_a_compiled_block_saves():
     T = 512
     x = torch.randn(1, T, m.hidden, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = block(x, torch.arange(T).expand(1, T))
+        rope = rope_cos_sin(
+            torch.arange(T).expand(1, T), rotary_dims(m.head_dim, m.rope_fraction), m.rope_theta
+        )
+        y = block(x, rope)
     # the estimate's bf16 weight copies (counted under weights) are saved too
     copies = 2 * sum(p.numel() for p in block.parameters() if p.dim() > 1)
     estimated = memory.compiled_layer_bytes(m, 0, T, 2) + copies

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 from test_train_single import write_config
 from torch import nn
@@ -90,3 +91,35 @@ def test_the_trainer_steps_the_masters_and_copies_them_into_the_model(tmp_path):
     ref_losses = [float(train.train_step(ref, train.local_batch(ref, s))[0]) for s in (1, 2, 3)]
     assert losses[0] != losses[2]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=5e-3, atol=0)
+
+
+def test_clipping_rides_on_the_fused_optimizer_step(tmp_path):
+    """One rank, plain tensors: the clip is the fused AdamW's grad_scale, not a pass of its own;
+    the step lands where clipping the gradients by hand and stepping does."""
+    overrides = ["training.global_batch=4", "training.micro_batch=2", "trainer.max_grad_norm=0.01"]
+    runs = {}
+    for folded in (True, False):
+        (tmp_path / str(folded)).mkdir()
+        cfg = load_config(str(write_config(tmp_path / str(folded))), overrides)
+        tr = train.build(cfg, io.StringIO())
+        assert tr.clip_in_optimizer
+        tr.clip_in_optimizer = folded
+        train.train_step(tr, train.local_batch(tr, 1))
+        runs[folded] = [p.detach().clone() for p in tr.params]
+        if folded:
+            assert float(tr.optimizer.grad_scale) > 1  # the clip was active
+    for a, b in zip(runs[True], runs[False], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("n", [1, 4095, 4096, 3 * 4096 + 17, 2_000_003])
+def test_gpu_gradient_accumulation_is_bit_identical_to_aten(n):
+    """The Triton fp32 += bf16 (and the first micro-batch's cast) against ATen's, bit for bit."""
+    g = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    acc = torch.randn(n, device="cuda")
+    expected = acc.clone().add_(g)
+    assert torch.equal(precision.accumulate_(acc, g), expected)
+    assert torch.equal(precision.cast_fp32(g), g.float())
+    assert precision._kernels() is not None  # the Triton path ran, not the fallback

@@ -73,7 +73,8 @@ def test_dense_and_shared_experts_follow_the_config():
     assert model.layers["1"].ffn.shared.w1.out_features == m.num_shared_experts * 32
     attn = model.layers["1"].attention
     assert attn.wv.out_features == m.num_kv_heads * m.v_head_dim
-    assert attn.rot_dims == 6  # 1/3 of 16, rounded to even
+    cos, sin = model.rope_tables(torch.arange(5).unsqueeze(0))
+    assert cos.shape == sin.shape == (1, 1, 5, 3)  # 1/3 of 16 rotated, rounded to even: 6 dims
 
 
 def test_same_seed_same_model_and_positions_reach_rope():
@@ -95,16 +96,17 @@ def test_same_seed_same_model_and_positions_reach_rope():
 @pytest.mark.parametrize(
     "dtype,clamp", [(torch.float32, 0.0), (torch.float32, 7.0), (torch.bfloat16, 0.0)]
 )
-@pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop", "bmm"])
 def test_grouped_experts_equal_a_per_expert_reference(dtype, clamp, backend):
+    """`bmm`: auto with every expert's count equal (the round-robin dispatch's promise)."""
     torch.manual_seed(0)
     L, D, F = 4, 32, 16
     experts = GroupedExperts(L, D, F, swiglu_clamp=clamp).to(dtype)
     experts.init_weights(0.5, 0.5)
-    experts.backend = backend
-    counts = torch.tensor([3, 0, 5, 2])
+    experts.backend = "auto" if backend == "bmm" else backend
+    counts = torch.tensor([3, 3, 3, 3] if backend == "bmm" else [3, 0, 5, 2])
     x_ND = torch.randn(int(counts.sum()), D, dtype=dtype, requires_grad=True)
-    y_ND = experts(x_ND, counts)
+    y_ND = experts(x_ND, counts, equal_counts=backend == "bmm")
     g = torch.randn_like(y_ND)
     (y_ND * g).sum().backward()
     got_x, got_w1 = x_ND.grad.clone(), experts.w1.grad.clone()
@@ -207,3 +209,20 @@ def test_the_per_layer_flops_add_up_to_the_mfu_formula(name):
     forward = sum(flops.layer_forward_flops(m, i, 2048) for i in range(m.num_layers))
     forward += flops.head_forward_flops(m)
     assert 3 * forward == flops.flops_per_token(m, 2048)
+
+
+@pytest.mark.parametrize("dispatch,expected", [("structured", True), ("sort", False)])
+def test_forced_balance_runs_the_experts_as_batched_matmuls(dispatch, expected):
+    """Under forced balance on one EP rank every expert gets T*K/E rows: the round-robin
+    dispatch tells the experts so, and they run moe_perf::expert_bmm (forward and backward)."""
+    torch.manual_seed(0)
+    moe = MoE(32, 8, 2, 16, force_balance=True)
+    moe.init_weights(0.1, 0.1)
+    moe.forced_dispatch = dispatch
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        moe(x).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert ("moe_perf::expert_bmm" in names) is expected
+    assert ("moe_perf::expert_bmm_backward" in names) is expected
+    assert x.grad is not None and moe.experts.w2.grad is not None

@@ -11,7 +11,9 @@ torch's own source files (so another torch version misses), and, under a
 `<system hash>` directory, the GPU's name and the CUDA and Triton versions; AOTAutograd's key
 wraps the same details, and Triton keys a kernel by its source, the Triton version and the
 target architecture. An arm whose model code changed therefore recompiles the graphs that
-changed and loads the rest; dynamo still traces every arm (its bytecode is not cached). The
+changed and loads the rest; dynamo still traces every arm (its bytecode is not cached). Where
+the environment forbids Python's bytecode beside the sources, the arms keep it here too
+(`bytecode_env`). The
 reference trainer also lets AOTAutograd cache the graphs that hold its custom autograd
 Functions, which torch leaves out by default (trainer/runtime.py, cache_custom_autograd_functions).
 """
@@ -60,7 +62,35 @@ def cache_env(cfg: Any, code: Path) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
         "TRITON_CACHE_DIR": str(directory / "triton"),
         **CACHES_ON,
+        **bytecode_env(directory),
     }
+
+
+# Python's own compile cache. Where PYTHONDONTWRITEBYTECODE is set (a common line in Dockerfiles;
+# the CUDA image of our H200 runs sets it, and its torch ships no .pyc files), every trainer
+# process compiles the source of every module it imports: `import torch` and torch._dynamo took
+# 7.4-8.3 s there in each arm. The arms then keep their bytecode in the compile-cache directory
+# instead (PYTHONPYCACHEPREFIX), never beside the sources, which is what that setting protects.
+# Python checks each cached file against its source's size and modification time; a worktree is a
+# new directory every arm (git.worktree), so its files never meet another arm's bytecode, and
+# `bytecode_dir_of` says where each worktree's went, for the runner to remove with the worktree.
+
+
+def bytecode_env(directory: Path) -> dict[str, str]:
+    """PYTHONPYCACHEPREFIX under `directory` when the runner's environment forbids writing
+    bytecode beside the sources and names no prefix of its own; empty otherwise."""
+    if not os.environ.get("PYTHONDONTWRITEBYTECODE") or os.environ.get("PYTHONPYCACHEPREFIX"):
+        return {}
+    # an empty PYTHONDONTWRITEBYTECODE is unset for Python
+    return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(directory / "pycache")}
+
+
+def bytecode_dir_of(env: dict[str, str], directory: Path) -> Path | None:
+    """Where the bytecode of the modules under `directory` went under `env`'s prefix, if any."""
+    prefix = env.get("PYTHONPYCACHEPREFIX")
+    if not prefix or "PYTHONDONTWRITEBYTECODE" not in env:  # the user's own prefix: theirs
+        return None
+    return Path(prefix) / Path(directory).resolve().relative_to("/")
 
 
 def describe(record_cache: dict | None) -> str:

@@ -11,7 +11,8 @@ all-to-all, ...):
 * on CPU the CPU ops' self time (an op's time less its children's) on the training thread; the
   step's time outside any op is `host gaps/idle` (Python between ops).
 
-Expert GEMMs are told from dense ones by the name (grouped GEMM) or by the trainer's profiler
+Expert GEMMs are told from dense ones by the name (grouped GEMM, the reference trainer's
+`moe_perf::expert_bmm` ops) or by the trainer's profiler
 scope `moe_perf.experts` around the experts' forward; backward ops have no scope of their own
 and are matched to their forward op through the profiler's autograd sequence number.
 
@@ -80,7 +81,7 @@ _NAMES = (
         "gemm",
         re.compile(
             r"^aten::(mm|addmm|bmm|baddbmm|matmul|linear|_grouped_mm|mv)$|mmbackward|gemm|cutlass"
-            r"|cublas|nvjet|xmma|wgmma|grouped_mm"
+            r"|cublas|nvjet|xmma|wgmma|grouped_mm|expert_bmm"
         ),
     ),  # fmt: skip
     ("routing", re.compile(r"sort|topk|scatter|gather|index|cumsum|bincount|histc|unique")),
@@ -102,7 +103,7 @@ _NAMES = (
         ),
     ),  # fmt: skip
 )
-_GROUPED = re.compile(r"grouped")
+_GROUPED = re.compile(r"grouped|expert")  # the reference trainer's moe_perf::expert_bmm too
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _OP_CATS = ("cpu_op", "user_annotation")
 _STEP = re.compile(r"^ProfilerStep#\d+$")

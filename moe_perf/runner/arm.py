@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -61,6 +62,16 @@ def sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextlib.contextmanager
+def removed_after(path: Path | None):
+    """`path` (a worktree's bytecode in the compile cache) removed on the way out."""
+    try:
+        yield
+    finally:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict) -> LaunchResult:
     """Runs the arm's trainer in its worktree; notes in `extra` which compile cache it used."""
     arm = str(cfg.arm.name)
@@ -79,21 +90,24 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict)
         one_process = launcher.one_process(cfg)
         compiled = bool(cfg.trainer.get("compile", False))
         say(starting_line(label, threads, compiled, torchrun=not one_process))
-        return run_trainer(
-            launcher.argv(cfg, job.arm_dir, trainer.argv),
-            cwd=worktree,
-            arm_dir=job.arm_dir,
-            label=label,
-            timeout_s=float(cfg.timeout_s),
-            kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
-            max_steps=int(cfg.training.max_steps),
-            env={**threads.env, **launcher.env(cfg), **trainer.env},
-            failure_reason=launcher.failure_reason,
-            one_process=one_process,
-            log_format=trainer.log_format,
-            shape=RunShape.of_config(cfg),
-            repo=Path(sweep.repo),
-        )
+        # the arm's temporary directory (git.worktree) holds its worktree
+        bytecode = compile_cache.bytecode_dir_of(trainer.env, worktree.parent)
+        with removed_after(bytecode):
+            return run_trainer(
+                launcher.argv(cfg, job.arm_dir, trainer.argv),
+                cwd=worktree,
+                arm_dir=job.arm_dir,
+                label=label,
+                timeout_s=float(cfg.timeout_s),
+                kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
+                max_steps=int(cfg.training.max_steps),
+                env={**threads.env, **launcher.env(cfg), **trainer.env},
+                failure_reason=launcher.failure_reason,
+                one_process=one_process,
+                log_format=trainer.log_format,
+                shape=RunShape.of_config(cfg),
+                repo=Path(sweep.repo),
+            )
 
 
 def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, started: str,

@@ -50,8 +50,6 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv = m.num_heads, m.num_kv_heads
         self.head_dim = m.head_dim
         self.v_head_dim = m.v_head_dim or m.head_dim
-        self.rot_dims = rotary_dims(m.head_dim, m.rope_fraction)
-        self.rope_theta = m.rope_theta
         self.wq = nn.Linear(m.hidden, m.num_heads * m.head_dim, bias=False)
         self.wk = nn.Linear(m.hidden, m.num_kv_heads * m.head_dim, bias=False)
         self.wv = nn.Linear(m.hidden, m.num_kv_heads * self.v_head_dim, bias=False)
@@ -68,15 +66,16 @@ class Attention(nn.Module):
             if n is not None:
                 n.init_weights()
 
-    def forward(self, x_BSD: torch.Tensor, positions_BS: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, rope: tuple | None) -> torch.Tensor:
+        """`rope`: the (cos, sin) tables of this micro-batch's positions (`rope_cos_sin`), built
+        once per forward by the model and shared by its layers; None without RoPE."""
         B, S, _ = x_BSD.shape
         q_BHSd = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
         k_BGSd = self.wk(x_BSD).view(B, S, self.n_kv, self.head_dim).transpose(1, 2)
         v_BGSv = self.wv(x_BSD).view(B, S, self.n_kv, self.v_head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q_BHSd, k_BGSd = self.q_norm(q_BHSd), self.k_norm(k_BGSd)
-        if self.rot_dims:
-            cos, sin = rope_cos_sin(positions_BS, self.rot_dims, self.rope_theta)
-            q_BHSd, k_BGSd = apply_rope(q_BHSd, cos, sin), apply_rope(k_BGSd, cos, sin)
+        if rope is not None:
+            q_BHSd, k_BGSd = apply_rope(q_BHSd, *rope), apply_rope(k_BGSd, *rope)
         o_BHSv = self.attend(q_BHSd, k_BGSd, v_BGSv)
         return self.wo(o_BHSv.transpose(1, 2).reshape(B, S, self.n_heads * self.v_head_dim))

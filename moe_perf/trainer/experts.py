@@ -27,6 +27,48 @@ def expert_scope() -> AbstractContextManager:
     return torch.profiler.record_function(EXPERT_SCOPE)
 
 
+# The experts' batched matmul as an op of its own, forward and backward: under torch.compile no
+# profiler scope survives, and a plain aten::bmm would be read as dense GEMM by explain=true
+# (report/explain.py tells expert GEMMs by a name with "grouped" or "expert" in it). Compiled
+# graphs call it like any aten op (inductor does not look inside; it would not fuse a bmm
+# either), and AOTAutograd's cache keeps graphs that hold it.
+
+
+@torch.library.custom_op("moe_perf::expert_bmm", mutates_args=())
+def expert_bmm(x_LJD: torch.Tensor, w_LDF: torch.Tensor) -> torch.Tensor:
+    """x_LJD @ w_LDF, expert by expert."""
+    return torch.bmm(x_LJD, w_LDF)
+
+
+@expert_bmm.register_fake
+def _(x_LJD, w_LDF):
+    return x_LJD.new_empty(x_LJD.shape[0], x_LJD.shape[1], w_LDF.shape[2])
+
+
+@torch.library.custom_op("moe_perf::expert_bmm_backward", mutates_args=())
+def expert_bmm_backward(
+    grad_LJF: torch.Tensor, x_LJD: torch.Tensor, w_LDF: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad x_LJD, grad w_LDF) of expert_bmm."""
+    return torch.bmm(grad_LJF, w_LDF.transpose(1, 2)), torch.bmm(x_LJD.transpose(1, 2), grad_LJF)
+
+
+@expert_bmm_backward.register_fake
+def _(grad_LJF, x_LJD, w_LDF):
+    return torch.empty_like(x_LJD), torch.empty_like(w_LDF)
+
+
+def _expert_bmm_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _expert_bmm_grad(ctx, grad_LJF):
+    return expert_bmm_backward(grad_LJF, *ctx.saved_tensors)
+
+
+expert_bmm.register_autograd(_expert_bmm_grad, setup_context=_expert_bmm_setup)
+
+
 def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """torch._grouped_mm needs row strides that are multiples of 16 bytes; bf16 on CUDA."""
     if not hasattr(torch, "_grouped_mm"):
@@ -52,7 +94,9 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.first_expert = 0
         self.swiglu_clamp = swiglu_clamp
-        self.backend = "auto"  # auto: _grouped_mm where it runs, else loop | grouped_mm | loop
+        # auto: bmm where every expert has the same count, else _grouped_mm where it runs, else
+        # loop | grouped_mm | loop
+        self.backend = "auto"
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn, dim))
@@ -77,12 +121,18 @@ class GroupedExperts(nn.Module):
                 g = init_generator(w.device, unit, name, self.first_expert + e)
                 nn.init.trunc_normal_(w[e], std=s, generator=g)
 
-    def forward(self, x_ND: torch.Tensor, tokens_per_expert_L: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_ND: torch.Tensor, tokens_per_expert_L: torch.Tensor, equal_counts: bool = False
+    ) -> torch.Tensor:
+        """`equal_counts`: the caller knows every expert has N/L rows (forced balance's
+        round-robin dispatch): then `auto` runs one batched matmul per weight (`_bmm`)."""
         w1, w2, w3 = self.w1, self.w2, self.w3
         if torch.is_autocast_enabled(x_ND.device.type):
             # _grouped_mm has no autocast rule: cast by hand to the autocast dtype.
             dt = torch.get_autocast_dtype(x_ND.device.type)
             x_ND, w1, w2, w3 = x_ND.to(dt), w1.to(dt), w2.to(dt), w3.to(dt)
+        if self.backend == "auto" and equal_counts:
+            return self._bmm(x_ND, w1, w2, w3)
         use_grouped = self.backend == "grouped_mm" or (
             self.backend == "auto" and _grouped_mm_ok(x_ND, w1, w2, w3)
         )
@@ -98,6 +148,16 @@ class GroupedExperts(nn.Module):
             )
             return torch._grouped_mm(h_NF, w2, offs=offsets_L)
         return self._loop(x_ND, tokens_per_expert_L, w1, w2, w3)
+
+    def _bmm(self, x_ND, w1, w2, w3) -> torch.Tensor:
+        """Equal counts: the rows are L blocks of N/L, so each weight is one batched matmul
+        [L, N/L, D] @ [L, D, F], the same products as grouped_mm. cuBLAS's strided batches beat
+        the grouped kernel on one H200: +2.6% (4 layers) and +2.7% (8 layers) on the whole
+        qwen3-30b-a3b step, expert GEMMs about 17 ms a step less at 4 layers."""
+        L = w1.shape[0]
+        x_LJD = x_ND.view(L, -1, x_ND.shape[-1])
+        h_LJF = swiglu(expert_bmm(x_LJD, w1), expert_bmm(x_LJD, w3), self.swiglu_clamp)
+        return expert_bmm(h_LJF, w2).view(x_ND.shape[0], -1)
 
     def _loop(self, x_ND, tokens_per_expert_L, w1, w2, w3) -> torch.Tensor:
         """Per-expert matmuls on slices (a host sync for the counts)."""

@@ -143,14 +143,15 @@ class MoE(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         scores_TE, real_idx_TK, idx_TK, weights_TK = self.route(x_TD)
 
-        if self.round_robin(x_TD.shape[0]):
+        equal_counts = self.round_robin(x_TD.shape[0])
+        if equal_counts:
             x_ND, tokens_per_expert_L, state = self.dispatcher.dispatch_round_robin(
                 x_TD, self.top_k
             )
         else:
             x_ND, tokens_per_expert_L, state = self.dispatcher.dispatch(x_TD, idx_TK)
         with expert_scope():
-            y_ND = self.experts(x_ND, tokens_per_expert_L)
+            y_ND = self.experts(x_ND, tokens_per_expert_L, equal_counts)
         y_TKD = self.dispatcher.combine(y_ND, state)
         # sum_k w_TK * y_TKD: elementwise and a reduction (fused under compile); a bmm of
         # T [1,K] @ [K,D] products ran at a few TFLOP/s.

@@ -286,18 +286,21 @@ def optimizer_param_groups(params: list[nn.Parameter]) -> list[dict]:
 # Helpers for the train loop
 
 
+def _local_grads(params) -> list[torch.Tensor]:
+    grads = [p.grad for p in params if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, par: Parallel) -> torch.Tensor:
-    """Global gradient 2-norm over every rank's shards (experts and non-experts), then clip.
+def grad_norm(params, par: Parallel) -> torch.Tensor:
+    """Global gradient 2-norm over every rank's shards (experts and non-experts).
 
     Each gradient element lives on exactly one rank of dp*cp (FSDP shards over dp*cp; expert
     shards over edp x ep = dp*cp) and on one pipeline stage, so the squared norm is the sum of
     local squares all-reduced over dp_cp and pp. torch's clip_grad_norm_ cannot mix DTensors of
-    the edp and dp_cp meshes. One small all_reduce per group; no host sync (the clip scale
-    stays on the device).
+    the edp and dp_cp meshes. One small all_reduce per group; no host sync.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    local = _local_grads(params)
     if local:
         # One multi-tensor pass (fp32 accumulation) instead of a pow and a sum per tensor.
         norms = torch._foreach_norm(local, 2.0, dtype=torch.float32)
@@ -308,8 +311,19 @@ def clip_grad_norm_(params, max_norm: float, par: Parallel) -> torch.Tensor:
         group = par.group(name)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(total_sq, group=group)
-    norm = total_sq.sqrt()
+    return total_sq.sqrt()
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What clipping multiplies every gradient by: min(1, max_norm / norm) (on the device)."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params, max_norm: float, par: Parallel) -> torch.Tensor:
+    """Global gradient norm (`grad_norm`), then every gradient scaled to at most `max_norm`
+    (no host sync: the scale stays on the device). Returns the norm before clipping."""
+    norm = grad_norm(params, par)
     if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(local, scale)
+        torch._foreach_mul_(_local_grads(params), clip_coefficient(norm, max_norm))
     return norm

@@ -70,12 +70,88 @@ def _accumulate_into(master: nn.Parameter):
 
     def hook(p: torch.Tensor) -> None:
         if master.grad is None:
-            master.grad = p.grad.to(torch.float32)
+            master.grad = cast_fp32(p.grad)
         else:
-            master.grad.add_(p.grad)
+            accumulate_(master.grad, p.grad)
         p.grad = None
 
     return hook
+
+
+# --------------------------------------------------------------------------------------------
+# fp32 += bf16 at the memory's speed
+#
+# ATen never vectorizes an elementwise op whose operands differ in dtype (TensorIterator takes
+# its "dynamic casting" path, one element per load): on one H200 `fp32.add_(bf16)` moved about
+# 2.6 TB/s, and the accumulation of 4 micro-batches' expert gradients took 62 of the 8-layer
+# bench's 840 ms a step. On CUDA a Triton kernel does the same arithmetic (fp32(g) added in
+# fp32, one rounding: bit-identical to ATen's) with wide loads.
+
+_BLOCK = 4096
+# (grad_add_kernel,) once built ("add" in its name: explain's elementwise); () without Triton
+_KERNELS: tuple | None = None
+
+
+def _kernels():
+    """The Triton kernels, built on first use on a CUDA device (None where Triton is missing)."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS or None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        _KERNELS = ()
+        return None
+
+    @triton.jit
+    def grad_add_kernel(acc_ptr, g_ptr, n, ADD: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
+        if ADD:
+            g += tl.load(acc_ptr + offs, mask=mask)
+        tl.store(acc_ptr + offs, g, mask=mask)
+
+    _KERNELS = (grad_add_kernel,)
+    return _KERNELS
+
+
+def _fast(acc: torch.Tensor, g: torch.Tensor) -> bool:
+    return (
+        acc.is_cuda
+        and acc.dtype == torch.float32
+        and g.dtype in (torch.bfloat16, torch.float16)
+        and acc.is_contiguous()
+        and g.is_contiguous()
+        and acc.shape == g.shape
+        and _kernels() is not None
+    )
+
+
+def _launch(acc: torch.Tensor, g: torch.Tensor, add: bool) -> None:
+    (kernel,) = _kernels()
+    n = g.numel()
+    with torch.cuda.device(g.device):
+        kernel[(-(-n // _BLOCK),)](acc, g, n, ADD=add, BLOCK=_BLOCK, num_warps=8)
+
+
+def accumulate_(acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """acc += g in place, acc fp32 and g bf16 (or anything `add_` takes)."""
+    if _fast(acc, g):
+        _launch(acc, g, add=True)
+        return acc
+    return acc.add_(g)
+
+
+def cast_fp32(g: torch.Tensor) -> torch.Tensor:
+    """g as a new fp32 tensor (the first micro-batch's gradient)."""
+    if g.is_contiguous() and g.dtype != torch.float32:
+        out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+        if _fast(out, g):
+            _launch(out, g, add=False)
+            return out
+    return g.to(torch.float32)
 
 
 def master_weights(module: nn.Module) -> MasterWeights | None:
