@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Time to answer before/after on one machine: bench_startup.py with a base commit's trainer and
+# Time to answer before/after on one machine: bench_startup.py with a base tree's trainer and
 # with this tree's, one run at a time, interleaved (base cold, this cold, then warm pairs), each
 # with its own compile cache. The base runs from `git archive BASE` with this tree's
 # bench_startup.py copied in, so both use the same bench.
 #
-#   bash bench/bench_startup_ab.sh BASE_COMMIT OUT_DIR [WARM_PAIRS (2) [bench_startup.py args]]
+#   bash bench/bench_startup_ab.sh BASE OUT_DIR [WARM_PAIRS (2) [bench_startup.py args]]
 #
+# BASE: a commit of this repository, or a directory holding `git archive` of one (pyproject.toml,
+# moe_perf, conf, bench, hydra_plugins), e.g. on a machine without this repository's history.
 # OUT_DIR gets base1.json, this1.json, ... (bench_startup.py's startup.json of each run) and
 # prints each run's line; the step losses of every run are printed last (the same per step
 # when the change keeps numerics, up to the GPU's run-to-run noise).
@@ -16,7 +18,11 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
-git -C "$here" archive "$base" pyproject.toml moe_perf conf bench hydra_plugins | tar -x -C "$tree"
+if [[ -d $base ]]; then
+  cp -r "$base"/. "$tree"
+else
+  git -C "$here" archive "$base" pyproject.toml moe_perf conf bench hydra_plugins | tar -x -C "$tree"
+fi
 cp "$here/bench/bench_startup.py" "$tree/bench/"
 one() {  # NAME ROOT [bench args]
   local name=$1 root=$2

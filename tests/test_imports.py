@@ -2,8 +2,9 @@
 
 Rules (docs/design.md, "Import rules"):
   * the trainer (moe_perf/trainer) imports only moe_perf.common, itself, torch, numpy, yaml and
-    the standard library, plus two optional extras imported where they are used: torchao (fp8)
-    and tokenizers (the corpus build command); never Hydra, OmegaConf, wandb or git;
+    the standard library, plus optional extras imported where they are used: torchao (fp8),
+    tokenizers (the corpus build command) and triton (a CUDA kernel, built on first use); never
+    Hydra, OmegaConf, wandb or git;
   * runner, report, launchers, frameworks, common and the Hydra launcher plugin never import torch,
     neither at module level nor inside a function (moe_perf/titan_entry.py is an in-rank entry
     point: torch and torchtitan are its job);
@@ -24,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 TRAINER_ALLOWED = ("moe_perf.common", "moe_perf.trainer", "torch", "numpy", "yaml")
-TRAINER_OPTIONAL = ("torchao", "tokenizers")
+TRAINER_OPTIONAL = ("torchao", "tokenizers", "triton")
 NO_TORCH_PACKAGES = (
     "moe_perf.runner",
     "moe_perf.report",
