@@ -66,7 +66,17 @@ SHAPES=(model=qwen3-30b-a3b model.num_layers=4 mesh=single training.sequence_len
 sweep() {  # name, overrides...
   local name=$1; shift
   echo "== $name: python -m moe_perf $* -m arm=base,feat" | tee -a "$OUT/bench.txt"
+  local t0=$EPOCHREALTIME
   "$PY" -m moe_perf "$@" "hydra.sweep.dir=$OUT/$name" -m arm=base,feat 2>&1 | tee "$OUT/$name.log"
+  # the wait for the answer, and how much of it is measured steps (step 1 is not)
+  "$PY" - "$OUT/$name" "$t0" "$EPOCHREALTIME" <<'PYEOF' | tee -a "$OUT/bench.txt"
+import json, pathlib, sys
+wall = float(sys.argv[3]) - float(sys.argv[2])
+recs = [json.loads(p.read_text()) for p in pathlib.Path(sys.argv[1]).glob("*/*/metrics.json")]
+steps = sum(sum(s["step_time_s"] for s in r["steps"][1:]) for r in recs)
+arms = ", ".join(f"{r['arm']} {r['wall_time_s']:.1f} s" for r in sorted(recs, key=lambda r: r["started"]))
+print(f"sweep wall {wall:.1f} s (arms: {arms}); measured steps {steps:.1f} s = {100 * steps / wall:.1f}%")
+PYEOF
   cat "$OUT/$name/comparison.md" >> "$OUT/bench.txt" 2>/dev/null || echo "(no comparison)" >> "$OUT/bench.txt"
 }
 
