@@ -123,3 +123,39 @@ def test_gpu_gradient_accumulation_is_bit_identical_to_aten(n):
     assert torch.equal(precision.accumulate_(acc, g), expected)
     assert torch.equal(precision.cast_fp32(g), g.float())
     assert precision._kernels() is not None  # the Triton path ran, not the fallback
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_master_adamw_steps_like_torchs_fused_adamw_and_writes_the_copies():
+    """The one-pass step (Triton) against torch's fused AdamW followed by the copies, with a
+    clip scale, over 3 steps; the bf16 copies are exactly the masters' values."""
+    torch.manual_seed(0)
+
+    def model():
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Embedding(50, 64), nn.Linear(64, 4097), nn.Linear(4097, 33)).cuda()
+
+    ours, ref = model(), model()
+    mw, mw_ref = (
+        precision.MasterWeights(m, torch.bfloat16, keep_fp32=(m[0],)) for m in (ours, ref)
+    )
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = precision.MasterAdamW(mw.masters, [mw], **kwargs)
+    opt_ref = torch.optim.AdamW(mw_ref.masters, fused=True, **kwargs)
+    assert opt._one_pass()
+    for step in range(3):
+        scale = torch.tensor(1.0 + step, device="cuda")
+        for a, b in zip(mw.masters, mw_ref.masters, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt.grad_scale = opt_ref.grad_scale = scale
+        opt.step()
+        opt_ref.step()
+        mw_ref.copy_to_model()
+        for a, b in zip(mw.masters, mw_ref.masters, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(opt.state[a]["exp_avg_sq"], opt_ref.state[b]["exp_avg_sq"])
+        for p, master in zip(mw.compute, mw.compute_masters, strict=True):
+            assert torch.equal(p, master.to(torch.bfloat16))
+    assert float(opt.state[mw.masters[1]]["step"]) == 3

@@ -24,6 +24,8 @@ the same bf16 gradients; the residual stream and the norms' inputs are bf16 inst
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -88,21 +90,25 @@ def _accumulate_into(master: nn.Parameter):
 # fp32, one rounding: bit-identical to ATen's) with wide loads.
 
 _BLOCK = 4096
-# (grad_add_kernel,) once built ("add" in its name: explain's elementwise); () without Triton
-_KERNELS: tuple | None = None
+# the kernels once built (their names carry explain's categories: "add" elementwise, "adamw"
+# optimizer); False where Triton is missing
+_KERNELS: SimpleNamespace | bool | None = None
 
 
-def _kernels():
+def _kernels() -> SimpleNamespace | None:
     """The Triton kernels, built on first use on a CUDA device (None where Triton is missing)."""
     global _KERNELS
-    if _KERNELS is not None:
-        return _KERNELS or None
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        _KERNELS = ()
-        return None
+    if _KERNELS is None:
+        try:
+            _KERNELS = _build_kernels()
+        except ImportError:
+            _KERNELS = False
+    return _KERNELS or None
+
+
+def _build_kernels() -> SimpleNamespace:
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def grad_add_kernel(acc_ptr, g_ptr, n, ADD: tl.constexpr, BLOCK: tl.constexpr):
@@ -113,8 +119,29 @@ def _kernels():
             g += tl.load(acc_ptr + offs, mask=mask)
         tl.store(acc_ptr + offs, g, mask=mask)
 
-    _KERNELS = (grad_add_kernel,)
-    return _KERNELS
+    @triton.jit
+    def master_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, scale_ptr, n, lr, beta1, beta2,
+                            eps, decay, step_size, bias2_sqrt, HAS_SCALE: tl.constexpr,
+                            HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask)
+        m = tl.load(m_ptr + offs, mask=mask)
+        v = tl.load(v_ptr + offs, mask=mask)
+        if HAS_SCALE:  # the clip, as torch's fused AdamW applies its grad_scale
+            g = g / tl.load(scale_ptr)
+        p = p * (1.0 - lr * decay)
+        m = m + (1.0 - beta1) * (g - m)
+        v = v * beta2 + (1.0 - beta2) * g * g
+        p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_COPY:
+            tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
+
+    return SimpleNamespace(grad_add=grad_add_kernel, master_adamw=master_adamw_kernel)
 
 
 def _fast(acc: torch.Tensor, g: torch.Tensor) -> bool:
@@ -130,10 +157,9 @@ def _fast(acc: torch.Tensor, g: torch.Tensor) -> bool:
 
 
 def _launch(acc: torch.Tensor, g: torch.Tensor, add: bool) -> None:
-    (kernel,) = _kernels()
     n = g.numel()
     with torch.cuda.device(g.device):
-        kernel[(-(-n // _BLOCK),)](acc, g, n, ADD=add, BLOCK=_BLOCK, num_warps=8)
+        _kernels().grad_add[(-(-n // _BLOCK),)](acc, g, n, ADD=add, BLOCK=_BLOCK, num_warps=8)
 
 
 def accumulate_(acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -164,3 +190,72 @@ def optimizer_params(module: nn.Module) -> list[nn.Parameter]:
     mw = master_weights(module)
     params = mw.masters if mw is not None else list(module.parameters())
     return [p for p in params if p.requires_grad]
+
+
+# --------------------------------------------------------------------------------------------
+# The optimizer step and the copies in one pass
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """AdamW over fp32 masters that also writes each master's compute copy.
+
+    torch's fused AdamW reads and writes the masters and their two moments (28 B per parameter),
+    then `copy_to_model` reads every master again to write its bf16 copy (6 B more). On CUDA one
+    Triton kernel per parameter does both (30 B), with the same arithmetic in fp32 as torch's
+    (decoupled weight decay, bias corrections, the clip as a `grad_scale` divisor). Elsewhere
+    (CPU, no Triton, a non-contiguous tensor) torch's fused AdamW runs, then the copies.
+    The state (`step` on the host, `exp_avg`, `exp_avg_sq`) is torch's AdamW's.
+    """
+
+    def __init__(self, params, master_weights: list[MasterWeights], **kwargs):
+        super().__init__(params, fused=True, **kwargs)
+        self.master_weights = master_weights
+        self.copy_of = {
+            id(master): p for mw in master_weights
+            for p, master in zip(mw.compute, mw.compute_masters, strict=True)
+        }  # fmt: skip
+
+    def _one_pass(self) -> bool:
+        params = [p for group in self.param_groups for p in group["params"]]
+        return (
+            bool(params)
+            and all(p.is_cuda and p.is_contiguous() for p in params)
+            and (_kernels() is not None)
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MasterAdamW.step takes no closure")
+        if not self._one_pass():
+            super().step()
+            for mw in self.master_weights:
+                mw.copy_to_model()
+            return None
+        scale = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._step_one(p, group, scale)
+        return None
+
+    def _step_one(self, p: torch.Tensor, group: dict, scale: torch.Tensor | None) -> None:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)  # on the host: no launch, no sync
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = float(state["step"])
+        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
+        copy = self.copy_of.get(id(p))
+        n = p.numel()
+        with torch.cuda.device(p.device):
+            _kernels().master_adamw[(-(-n // _BLOCK),)](
+                p, p.grad, state["exp_avg"], state["exp_avg_sq"],
+                copy if copy is not None else p, scale if scale is not None else p, n,
+                lr, beta1, beta2, group["eps"], group["weight_decay"],
+                lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
+                HAS_SCALE=scale is not None, HAS_COPY=copy is not None, BLOCK=_BLOCK,
+                num_warps=8,
+            )  # fmt: skip
