@@ -19,6 +19,7 @@ OUT=$(mkdir -p "$2" && cd "$2" && pwd)
 PLANT_MS=${3:-30}
 PY=${PYTHON:-python}
 STEPS=${STEPS:-10}
+MICRO=${MICRO:-16}  # micro-batch / torchtitan's local batch (8 fits an 80 GB H100)
 
 WORK=$(mktemp -d)
 REPO=$WORK/torchtitan
@@ -61,7 +62,7 @@ echo "plant: ${PLANT_MS} ms = ${CYCLES} spin cycles per step, in torchtitan/trai
 
 SHAPES=(model=qwen3-30b-a3b model.num_layers=4 mesh=single training.sequence_length=2048
         training.global_batch=32 "training.max_steps=$STEPS" training.benchmark=true
-        training.micro_batch=16 trainer.compile=true wandb.mode=disabled timeout_s=900)
+        "training.micro_batch=$MICRO" trainer.compile=true wandb.mode=disabled timeout_s=900)
 
 sweep() {  # name, overrides...
   local name=$1; shift
