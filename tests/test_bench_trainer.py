@@ -38,6 +38,12 @@ def test_bench_trainer_cpu_with_profile(tmp_path):
     table = (out / "profile" / "kernels_rank0.txt").read_text()
     assert "aten::" in table
     assert (out / "profile" / "trace_rank0.json").is_file()
+    # the profiled step is marked, so its summary covers that step and nothing else: its
+    # categories add up to it (on CPU, ops' self time plus the Python between them)
+    prof = json.loads((out / "profile" / "summary.json").read_text())
+    assert prof["step_markers"] and prof["steps"] == 1
+    total = sum(c["ms_per_step"] for c in prof["categories"].values())
+    assert total == pytest.approx(prof["step_ms"], rel=0.01)
 
 
 def _kernel(name, ts, dur):

@@ -34,13 +34,23 @@ class Profiler:
         self.device, self.rank = device, rank
         self.out_dir = tcfg.profile_dir or out_dir
         self.prof = None
+        self.span = None
 
     def before_step(self, step: int) -> None:
         if step == self.first:
             self.prof = start_profiler(self.device)
+        if self.prof is not None:
+            # one span per profiled step, as in `profile_steps`: a trace without them is one
+            # block whose length the busiest thread's ops decide (on a GPU the backward's
+            # thread: a 27 ms "step" of a 500 ms one, its idle share meaningless)
+            self.span = torch.profiler.record_function(f"ProfilerStep#{step - self.first}")
+            self.span.__enter__()
 
     def after_step(self, step: int) -> None:
-        if self.prof is None or step != self.last:
+        if self.prof is None:
+            return
+        self.span.__exit__(None, None, None)
+        if step != self.last:
             return
         self.prof.stop()
         out = Path(self.out_dir or "profile")
