@@ -211,14 +211,19 @@ def test_the_per_layer_flops_add_up_to_the_mfu_formula(name):
     assert 3 * forward == flops.flops_per_token(m, 2048)
 
 
-@pytest.mark.parametrize("dispatch,expected", [("structured", True), ("sort", False)])
-def test_forced_balance_runs_the_experts_as_batched_matmuls(dispatch, expected):
+@pytest.mark.parametrize(
+    "dispatch,backend,expected",
+    [("structured", "auto", True), ("sort", "auto", False), ("structured", "grouped_mm", False)],
+)
+def test_forced_balance_runs_the_experts_as_batched_matmuls(dispatch, backend, expected):
     """Under forced balance on one EP rank every expert gets T*K/E rows: the round-robin
-    dispatch tells the experts so, and they run moe_perf::expert_bmm (forward and backward)."""
+    dispatch tells the experts so, and they run moe_perf::expert_bmm (forward and backward),
+    unless trainer.expert_backend=grouped_mm asks for the grouped kernel."""
     torch.manual_seed(0)
     moe = MoE(32, 8, 2, 16, force_balance=True)
     moe.init_weights(0.1, 0.1)
     moe.forced_dispatch = dispatch
+    moe.experts.backend = backend
     x = torch.randn(2, 8, 32, requires_grad=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         moe(x).sum().backward()
