@@ -144,14 +144,12 @@ def _build_kernels() -> SimpleNamespace:
     return SimpleNamespace(grad_add=grad_add_kernel, master_adamw=master_adamw_kernel)
 
 
-def _fast(acc: torch.Tensor, g: torch.Tensor) -> bool:
+def _triton_reads(g: torch.Tensor) -> bool:
+    """Whether the Triton kernels take `g` (a bf16 or fp16 gradient on CUDA, contiguous)."""
     return (
-        acc.is_cuda
-        and acc.dtype == torch.float32
+        g.is_cuda
         and g.dtype in (torch.bfloat16, torch.float16)
-        and acc.is_contiguous()
         and g.is_contiguous()
-        and acc.shape == g.shape
         and _kernels() is not None
     )
 
@@ -164,7 +162,8 @@ def _launch(acc: torch.Tensor, g: torch.Tensor, add: bool) -> None:
 
 def accumulate_(acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """acc += g in place, acc fp32 and g bf16 (or anything `add_` takes)."""
-    if _fast(acc, g):
+    fp32 = acc.dtype == torch.float32 and acc.is_contiguous() and acc.shape == g.shape
+    if fp32 and _triton_reads(g):
         _launch(acc, g, add=True)
         return acc
     return acc.add_(g)
@@ -172,12 +171,11 @@ def accumulate_(acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def cast_fp32(g: torch.Tensor) -> torch.Tensor:
     """g as a new fp32 tensor (the first micro-batch's gradient)."""
-    if g.is_contiguous() and g.dtype != torch.float32:
-        out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-        if _fast(out, g):
-            _launch(out, g, add=False)
-            return out
-    return g.to(torch.float32)
+    if not _triton_reads(g):
+        return g.to(torch.float32)
+    out = torch.empty(g.shape, dtype=torch.float32, device=g.device)
+    _launch(out, g, add=False)
+    return out
 
 
 def master_weights(module: nn.Module) -> MasterWeights | None:
@@ -209,6 +207,7 @@ class MasterAdamW(torch.optim.AdamW):
 
     def __init__(self, params, master_weights: list[MasterWeights], **kwargs):
         super().__init__(params, fused=True, **kwargs)
+        self._triton: bool | None = None
         self.master_weights = master_weights
         self.copy_of = {
             id(master): p for mw in master_weights
@@ -216,12 +215,16 @@ class MasterAdamW(torch.optim.AdamW):
         }  # fmt: skip
 
     def _one_pass(self) -> bool:
-        params = [p for group in self.param_groups for p in group["params"]]
-        return (
-            bool(params)
-            and all(p.is_cuda and p.is_contiguous() for p in params)
-            and (_kernels() is not None)
-        )
+        """Whether the Triton step applies (decided at the first step: parameters keep their
+        device and layout)."""
+        if self._triton is None:
+            params = [p for group in self.param_groups for p in group["params"]]
+            self._triton = (
+                bool(params)
+                and all(p.is_cuda and p.is_contiguous() for p in params)
+                and (_kernels() is not None)
+            )
+        return self._triton
 
     @torch.no_grad()
     def step(self, closure=None):
