@@ -150,33 +150,44 @@ def test_bytecode_is_cached_for_the_arms_where_the_environment_forbids_it_beside
     tmp_path,
 ):
     """PYTHONDONTWRITEBYTECODE=1 in the runner's environment: the arms compile each imported
-    module once into the compile cache (PYTHONPYCACHEPREFIX), torch's too, and each worktree's
-    own bytecode goes with its worktree."""
-    repo = copy_of_moe_perf(tmp_path / "repo")
-    cache = tmp_path / "compile-cache"
+    module once into the machine's moe_perf cache (PYTHONPYCACHEPREFIX), torch's too, and each
+    worktree's own bytecode goes with its worktree. Another repository, with torch.compile
+    caches of its own, reads torch's bytecode from there."""
+    xdg = {"PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     run = ["dtype=fp32", "model.num_layers=1", "training.sequence_length=32",
            "training.global_batch=2", "training.max_steps=2", "wandb.mode=disabled"]  # fmt: skip
-    result = moe_perf(tmp_path, f"repo={repo}", f"compile_cache={cache}", *run,
-                      "-m", "arm=base,feat", env={"PYTHONDONTWRITEBYTECODE": "1"})  # fmt: skip
+    repo = copy_of_moe_perf(tmp_path / "repo")
+    result = moe_perf(tmp_path, f"repo={repo}", f"compile_cache={tmp_path / 'cache'}", *run,
+                      "-m", "arm=base,feat", env=xdg)  # fmt: skip
     assert_ok(result)
-    pycache = cache / "pycache"
+    pycache = tmp_path / "xdg" / "moe_perf" / "pycache"
     torch_init = list(pycache.rglob("torch/__init__.*.pyc"))
     assert len(torch_init) == 1, "torch's bytecode cached once, for both arms"
     # the arms' worktrees (their trainer's modules) left nothing behind
     assert not [p for p in pycache.rglob("*.pyc") if "/moe_perf-" in str(p)]
     assert not [p for p in pycache.rglob("trainer") if p.is_dir() and "moe_perf-" in str(p)]
+    assert not list((tmp_path / "cache").rglob("*.pyc"))
+
+    written = torch_init[0].stat().st_mtime_ns
+    other = copy_of_moe_perf(tmp_path / "other")
+    result = moe_perf(tmp_path, f"repo={other}", f"compile_cache={tmp_path / 'cache2'}", *run,
+                      "arm=base", env=xdg)  # fmt: skip
+    assert_ok(result)
+    assert torch_init[0].stat().st_mtime_ns == written, "torch's bytecode compiled again"
 
 
 def test_bytecode_env_respects_the_users_own_choices(tmp_path, monkeypatch):
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    env = compile_cache.bytecode_env(tmp_path)
-    assert env == {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    env = compile_cache.bytecode_env()
+    pycache = tmp_path / "moe_perf" / "pycache"
+    assert env == {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(pycache)}
     wt = tmp_path / "wt"
-    assert compile_cache.bytecode_dir_of(env, wt) == tmp_path / "pycache" / str(wt)[1:]
+    assert compile_cache.bytecode_dir_of(env, wt) == pycache / str(wt)[1:]
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "mine"))  # their prefix: theirs
-    assert compile_cache.bytecode_env(tmp_path) == {}
+    assert compile_cache.bytecode_env() == {}
     assert compile_cache.bytecode_dir_of({"PYTHONPYCACHEPREFIX": "/x"}, wt) is None
     monkeypatch.delenv("PYTHONPYCACHEPREFIX")
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
-    assert compile_cache.bytecode_env(tmp_path) == {}
+    assert compile_cache.bytecode_env() == {}

@@ -12,8 +12,8 @@ torch's own source files (so another torch version misses), and, under a
 wraps the same details, and Triton keys a kernel by its source, the Triton version and the
 target architecture. An arm whose model code changed therefore recompiles the graphs that
 changed and loads the rest; dynamo still traces every arm (its bytecode is not cached). Where
-the environment forbids Python's bytecode beside the sources, the arms keep it here too
-(`bytecode_env`). The reference trainer also lets AOTAutograd cache the graphs that hold its
+the environment forbids Python's bytecode beside the sources, the arms keep it in one directory
+of the machine, `$XDG_CACHE_HOME/moe_perf/pycache` (`bytecode_env`). The reference trainer also lets AOTAutograd cache the graphs that hold its
 custom autograd Functions, which torch leaves out by default (trainer/runtime.py,
 cache_custom_autograd_functions).
 """
@@ -32,8 +32,12 @@ from moe_perf.runner import git
 CACHES_ON = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
+def moe_perf_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe_perf"
+
+
 def default_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moe_perf" / "compile"
+    return moe_perf_cache() / "compile"
 
 
 def cache_dir(setting: Any, code: Path) -> Path | None:
@@ -62,27 +66,29 @@ def cache_env(cfg: Any, code: Path) -> dict[str, str]:
         "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
         "TRITON_CACHE_DIR": str(directory / "triton"),
         **CACHES_ON,
-        **bytecode_env(directory),
+        **bytecode_env(),
     }
 
 
 # Python's own compile cache. Where PYTHONDONTWRITEBYTECODE is set (a common line in Dockerfiles;
 # the CUDA image of our H200 runs sets it, and its torch ships no .pyc files), every trainer
 # process compiles the source of every module it imports: `import torch` and torch._dynamo took
-# 7.4-8.3 s there in each arm. The arms then keep their bytecode in the compile-cache directory
+# 7.4-8.3 s there in each arm. The arms then keep their bytecode in one directory of the machine
 # instead (PYTHONPYCACHEPREFIX), never beside the sources, which is what that setting protects.
-# Python checks each cached file against its source's size and modification time; a worktree is a
-# new directory every arm (git.worktree), so its files never meet another arm's bytecode, and
+# It is not the repository's: Python checks each cached file against its source's path, size and
+# modification time, so torch's bytecode serves every repository's arms (a new repository's first
+# arm, whose torch.compile caches are cold, does not compile torch's source again). A worktree is
+# a new directory every arm (git.worktree), so its files never meet another arm's bytecode, and
 # `bytecode_dir_of` says where each worktree's went, for the runner to remove with the worktree.
 
 
-def bytecode_env(directory: Path) -> dict[str, str]:
-    """PYTHONPYCACHEPREFIX under `directory` when the runner's environment forbids writing
-    bytecode beside the sources and names no prefix of its own; empty otherwise."""
+def bytecode_env() -> dict[str, str]:
+    """PYTHONPYCACHEPREFIX under this machine's moe_perf cache when the runner's environment
+    forbids writing bytecode beside the sources and names no prefix of its own; empty otherwise."""
     if not os.environ.get("PYTHONDONTWRITEBYTECODE") or os.environ.get("PYTHONPYCACHEPREFIX"):
         return {}
     # an empty PYTHONDONTWRITEBYTECODE is unset for Python
-    return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(directory / "pycache")}
+    return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(moe_perf_cache() / "pycache")}
 
 
 def bytecode_dir_of(env: dict[str, str], directory: Path) -> Path | None:
