@@ -3,38 +3,50 @@
 # trainer and with this tree's, per configuration one after the other (base, then this), each
 # with one profiled step after the measured ones.
 #
-#   bash bench/bench_trainer_ab.sh BASE OUT_DIR
+#   bash bench/bench_trainer_ab.sh BASE[,BASE2...] OUT_DIR
 #
 # BASE: a commit of this repository (extracted with `git archive`) or a directory holding such
 # a tree (pyproject.toml, moe_perf, conf, bench, hydra_plugins), copied to a temporary
-# directory with this tree's bench_trainer.py and profile_summary.py put in, so both variants
-# run the same bench.
+# directory with this tree's bench_trainer.py and profile_summary.py put in, so every variant
+# runs the same bench. Several bases, comma-separated, run in that order before this tree
+# (variants base, base2, ...): e.g. the issue's baseline and the last commit before a change.
 # CONFIGS: bench_trainer.py arguments per configuration, separated by ';' (default below).
 # PYTHON: the interpreter with torch (default python3).
-# OUT_DIR gets <config>-<base|this>/ (bench.json, profile/summary.md) and summary.txt, one line
+# OUT_DIR gets <config>-<base|base2|...|this>/ (bench.json, profile/summary.md) and summary.txt, one line
 # per run: step time, tokens/s, TFLOP/s, peak memory.
 set -euo pipefail
-base=$1 out=$(realpath -m "$2")
+IFS=',' read -r -a bases <<<"$1"
+out=$(realpath -m "$2")
 here=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 CONFIGS=${CONFIGS:-"--layers 4 --micro-batch 16;--layers 8 --micro-batch 8"}
 mkdir -p "$out"
-tree=$(mktemp -d)
-trap 'rm -rf "$tree"' EXIT
-if [[ -d $base ]]; then
-  cp -r "$base"/. "$tree"
-else
-  git -C "$here" archive "$base" pyproject.toml moe_perf conf bench hydra_plugins | tar -x -C "$tree"
-fi
-cp "$here/bench/bench_trainer.py" "$here/bench/profile_summary.py" "$tree/bench/"
+trees=$(mktemp -d)
+trap 'rm -rf "$trees"' EXIT
+variants=()
+declare -A root_of=([this]=$here)
+for i in "${!bases[@]}"; do
+  base=${bases[$i]} name=base$((i + 1))
+  [[ $name == base1 ]] && name=base
+  tree=$trees/$name
+  mkdir -p "$tree"
+  if [[ -d $base ]]; then
+    cp -r "$base"/. "$tree"
+  else
+    git -C "$here" archive "$base" pyproject.toml moe_perf conf bench hydra_plugins | tar -x -C "$tree"
+  fi
+  cp "$here/bench/bench_trainer.py" "$here/bench/profile_summary.py" "$tree/bench/"
+  variants+=("$name")
+  root_of[$name]=$tree
+done
+variants+=(this)
 IFS=';' read -r -a configs <<<"$CONFIGS"
 : >"$out/summary.txt"
 i=0
 for args in "${configs[@]}"; do
   i=$((i + 1))
-  for variant in base this; do
-    root=$here
-    [[ $variant == base ]] && root=$tree
+  for variant in "${variants[@]}"; do
+    root=${root_of[$variant]}
     name="c$i-$variant"
     echo "== $name: bench_trainer.py $args --profile 1 (trainer from $root)"
     # shellcheck disable=SC2086  # $args is a list of options

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # explain=true through the real command: an A/A sweep and a sweep against a branch that plants
-# EXTRA grouped GEMMs (x @ w1 of every expert, results unused) in the routed experts' forward.
+# EXTRA grouped GEMMs (x @ w1 of every expert, the gate half of w13, results unused) in the routed experts' forward.
 # The breakdown should show expert/grouped GEMM moving most, beyond its noise, and no other
 # category beyond noise; the A/A none at all.
 #
@@ -40,7 +40,7 @@ lines = path.read_text().splitlines(keepends=True)
 (at,) = [i for i, line in enumerate(lines) if anchor in line]
 pad = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
 lines[at:at] = [f"{pad}for _ in range({sys.argv[1]}):  # planted\n",
-                f"{pad}    expert_bmm(x_LJD, w1)\n"]
+                f"{pad}    expert_bmm(x_LJD, w13[..., : self.ffn])\n"]
 path.write_text("".join(lines))
 EOF
 git commit -q -am "plant $EXTRA extra expert matmuls in the experts' forward"

@@ -60,7 +60,7 @@ def run_distributed(fn, world_size: int, *args) -> None:
                        join=True, start_method="forkserver")  # fmt: skip
 
 
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
+EXPERT_WEIGHTS = ("w13", "w2")
 
 
 def full_tensor(name: str, t: torch.Tensor, par) -> torch.Tensor:

@@ -353,7 +353,7 @@ def plant_expert_gemms(repo: Path, extra: int) -> None:
     (at,) = [i for i, line in enumerate(lines) if EXPERT_RETURN in line]
     pad = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
     lines[at:at] = [f"{pad}for _ in range({extra}):  # planted: work in one known place\n",
-                    f"{pad}    expert_bmm(x_LJD, w1)\n"]  # fmt: skip
+                    f"{pad}    expert_bmm(x_LJD, w13[..., : self.ffn])\n"]  # fmt: skip
     git(repo, "checkout", "-q", "-b", "more-expert-work")
     file.write_text("".join(lines))
     git(repo, "commit", "-q", "-am", f"plant {extra} extra expert matmuls in the experts")

@@ -83,10 +83,11 @@ def test_build_is_deterministic_and_every_unit_and_expert_differs():
     assert not torch.equal(a.layers["2"].attention.wq.weight, other.layers["2"].attention.wq.weight)
     # Independent streams: layers, experts and weights do not repeat each other's values.
     assert not torch.equal(a.layers["1"].attention.wq.weight, a.layers["2"].attention.wq.weight)
-    w1 = a.layers["1"].ffn.experts.w1
+    experts = a.layers["1"].ffn.experts
+    w1, w3 = experts.w13[..., : experts.ffn], experts.w13[..., experts.ffn :]
     assert not torch.equal(w1[0], w1[1])
-    assert not torch.equal(w1, a.layers["1"].ffn.experts.w3)
-    assert not torch.equal(w1, a.layers["2"].ffn.experts.w1)
+    assert not torch.equal(w1, w3)
+    assert not torch.equal(w1, a.layers["2"].ffn.experts.w13[..., : experts.ffn])
     # The scales of the init survive the per-expert streams.
     assert 0.015 < float(w1.detach().std()) < 0.025
     assert torch.equal(a.layers["1"].ffn.router.gate.bias, torch.zeros(m.num_experts))

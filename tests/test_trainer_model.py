@@ -109,21 +109,22 @@ def test_grouped_experts_equal_a_per_expert_reference(dtype, clamp, backend):
     y_ND = experts(x_ND, counts, equal_counts=backend == "bmm")
     g = torch.randn_like(y_ND)
     (y_ND * g).sum().backward()
-    got_x, got_w1 = x_ND.grad.clone(), experts.w1.grad.clone()
+    got_x, got_w13 = x_ND.grad.clone(), experts.w13.grad.clone()
 
     x_ND.grad = None
     experts.zero_grad()
     ref, start = [], 0
+    w1, w3 = experts.w13[..., :F], experts.w13[..., F:]  # gate and up projections
     for e, n in enumerate(counts.tolist()):
         x = x_ND[start : start + n]
-        ref.append(swiglu(x @ experts.w1[e], x @ experts.w3[e], clamp) @ experts.w2[e])
+        ref.append(swiglu(x @ w1[e], x @ w3[e], clamp) @ experts.w2[e])
         start += n
     ref = torch.cat(ref)
     (ref * g).sum().backward()
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(y_ND, ref, **tol)
     torch.testing.assert_close(got_x, x_ND.grad, **tol)
-    torch.testing.assert_close(got_w1, experts.w1.grad, **tol)
+    torch.testing.assert_close(got_w13, experts.w13.grad, **tol)
 
 
 def test_local_dispatch_sorts_by_expert_and_combine_restores_order():

@@ -1,4 +1,5 @@
-"""The routed experts: L SwiGLU FFNs as stacked weights, one grouped matmul per weight.
+"""The routed experts: L SwiGLU FFNs as stacked weights, one grouped matmul per weight (the
+gate and up projections are one weight, so one matmul).
 
 Shapes: the trainer's legend (moe_perf/trainer/__init__.py).
 """
@@ -82,7 +83,12 @@ def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """L SwiGLU experts as stacked weights: w1, w3 [L, D, F], w2 [L, F, D].
+    """L SwiGLU experts as stacked weights: w13 [L, D, 2F] (the gate projection w1 in
+    [..., :F], the up projection w3 in [..., F:]), w2 [L, F, D].
+
+    One weight for w1 and w3: their matmuls read the same rows, so one matmul of width 2F does
+    both (wider tiles than two of width F), and its backward is one matmul for the input's
+    gradient (a reduction over 2F) instead of two whose outputs are then added.
 
     forward(x_ND, tokens_per_expert_L): rows of x_ND are grouped by expert in order 0..L-1.
     EP keeps rank r's slice [r*E/ep, (r+1)*E/ep) of every weight, sets num_experts to L and
@@ -92,78 +98,87 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, ffn: int, swiglu_clamp: float = 0.0):
         super().__init__()
         self.num_experts = num_experts
+        self.ffn = ffn
         self.first_expert = 0
         self.swiglu_clamp = swiglu_clamp
         # auto: bmm where every expert has the same count, else _grouped_mm where it runs, else
         # loop | grouped_mm | loop
         self.backend = "auto"
-        self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn))
-        self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn))
+        self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * ffn))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn, dim))
 
     def init_weights(self, std: float, out_std: float, generator=None) -> None:
         """Truncated normal weights.
 
         With `generator` (the model's per-unit init, model.Transformer.init_weights) expert e
-        of each weight draws from its own stream, seeded from (the generator's seed, weight
-        name, GLOBAL expert id first_expert + e), and nothing from `generator` itself: an EP
-        rank that holds only experts [first, first + L) initialises exactly their slice of the
-        full layer, without ever allocating the full layer. Without, the global RNG fills
-        whole tensors.
+        of each weight (w1, w3 and w2; w1 and w3 are halves of w13) draws from its own stream,
+        seeded from (the generator's seed, weight name, GLOBAL expert id first_expert + e), and
+        nothing from `generator` itself: an EP rank that holds only experts [first, first + L)
+        initialises exactly their slice of the full layer, without ever allocating the full
+        layer. Without, the global RNG fills whole tensors.
         """
+        F = self.ffn
+        views = {"w1": self.w13[..., :F], "w3": self.w13[..., F:], "w2": self.w2}
         for name, s in (("w1", std), ("w3", std), ("w2", out_std)):
-            w = getattr(self, name)
+            w = views[name]
             if generator is None:
-                nn.init.trunc_normal_(w, std=s)
+                value = torch.empty(w.shape, dtype=w.dtype, device=w.device)
+                with torch.no_grad():
+                    w.copy_(nn.init.trunc_normal_(value, std=s))
                 continue
             unit = generator.initial_seed()
             for e in range(w.shape[0]):
                 g = init_generator(w.device, unit, name, self.first_expert + e)
-                nn.init.trunc_normal_(w[e], std=s, generator=g)
+                # drawn contiguous, then copied into the (strided) half of w13
+                value = torch.empty(w.shape[1:], dtype=w.dtype, device=w.device)
+                nn.init.trunc_normal_(value, std=s, generator=g)
+                with torch.no_grad():
+                    w[e].copy_(value)
 
     def forward(
         self, x_ND: torch.Tensor, tokens_per_expert_L: torch.Tensor, equal_counts: bool = False
     ) -> torch.Tensor:
         """`equal_counts`: the caller knows every expert has N/L rows (forced balance's
         round-robin dispatch): then `auto` runs one batched matmul per weight (`_bmm`)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        w13, w2 = self.w13, self.w2
         if torch.is_autocast_enabled(x_ND.device.type):
             # _grouped_mm has no autocast rule: cast by hand to the autocast dtype.
             dt = torch.get_autocast_dtype(x_ND.device.type)
-            x_ND, w1, w2, w3 = x_ND.to(dt), w1.to(dt), w2.to(dt), w3.to(dt)
+            x_ND, w13, w2 = x_ND.to(dt), w13.to(dt), w2.to(dt)
         if self.backend == "auto" and equal_counts:
-            return self._bmm(x_ND, w1, w2, w3)
+            return self._bmm(x_ND, w13, w2)
         use_grouped = self.backend == "grouped_mm" or (
-            self.backend == "auto" and _grouped_mm_ok(x_ND, w1, w2, w3)
+            self.backend == "auto" and _grouped_mm_ok(x_ND, w13, w2)
         )
         if use_grouped:
             # Rows past offsets[-1] come back uninitialised; there are none here (N = sum).
             # cumsum then a cast, not cumsum(dtype=int32): inductor (torch 2.13) returns int64
             # for cumsum(dtype=int32) of a constant (the round-robin dispatch's counts)
             offsets_L = torch.cumsum(tokens_per_expert_L, 0).to(torch.int32)
-            h_NF = swiglu(
-                torch._grouped_mm(x_ND, w1, offs=offsets_L),
-                torch._grouped_mm(x_ND, w3, offs=offsets_L),
-                self.swiglu_clamp,
-            )
+            h_NF = self._swiglu(torch._grouped_mm(x_ND, w13, offs=offsets_L))
             return torch._grouped_mm(h_NF, w2, offs=offsets_L)
-        return self._loop(x_ND, tokens_per_expert_L, w1, w2, w3)
+        return self._loop(x_ND, tokens_per_expert_L, w13, w2)
 
-    def _bmm(self, x_ND, w1, w2, w3) -> torch.Tensor:
+    def _swiglu(self, h13: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of the w13 product: silu(gate half) * up half."""
+        F = self.ffn
+        return swiglu(h13[..., :F], h13[..., F:], self.swiglu_clamp)
+
+    def _bmm(self, x_ND, w13, w2) -> torch.Tensor:
         """Equal counts: the rows are L blocks of N/L, so each weight is one batched matmul
         [L, N/L, D] @ [L, D, F], the same products as grouped_mm. cuBLAS's strided batches beat
         the grouped kernel on one H200: +2.6% (4 layers) and +2.7% (8 layers) on the whole
         qwen3-30b-a3b step, expert GEMMs about 17 ms a step less at 4 layers."""
-        L = w1.shape[0]
+        L = w13.shape[0]
         x_LJD = x_ND.view(L, -1, x_ND.shape[-1])
-        h_LJF = swiglu(expert_bmm(x_LJD, w1), expert_bmm(x_LJD, w3), self.swiglu_clamp)
+        h_LJF = self._swiglu(expert_bmm(x_LJD, w13))
         return expert_bmm(h_LJF, w2).view(x_ND.shape[0], -1)
 
-    def _loop(self, x_ND, tokens_per_expert_L, w1, w2, w3) -> torch.Tensor:
+    def _loop(self, x_ND, tokens_per_expert_L, w13, w2) -> torch.Tensor:
         """Per-expert matmuls on slices (a host sync for the counts)."""
         outs, start = [], 0
         for e, n in enumerate(tokens_per_expert_L.tolist()):
             x = x_ND[start : start + n]
-            outs.append(swiglu(x @ w1[e], x @ w3[e], self.swiglu_clamp) @ w2[e])
+            outs.append(self._swiglu(x @ w13[e]) @ w2[e])
             start += n
         return torch.cat(outs) if outs else x_ND.new_zeros(0, w2.shape[-1])
