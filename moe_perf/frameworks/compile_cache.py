@@ -13,9 +13,9 @@ wraps the same details, and Triton keys a kernel by its source, the Triton versi
 target architecture. An arm whose model code changed therefore recompiles the graphs that
 changed and loads the rest; dynamo still traces every arm (its bytecode is not cached). Where
 the environment forbids Python's bytecode beside the sources, the arms keep it in one directory
-of the machine, `$XDG_CACHE_HOME/moe_perf/pycache` (`bytecode_env`). The reference trainer also lets AOTAutograd cache the graphs that hold its
-custom autograd Functions, which torch leaves out by default (trainer/runtime.py,
-cache_custom_autograd_functions).
+of the machine, `$XDG_CACHE_HOME/moe_perf/pycache` (`bytecode_env`). The reference trainer also
+lets AOTAutograd cache the graphs that hold its custom autograd Functions, which torch leaves
+out by default (trainer/runtime.py, cache_custom_autograd_functions).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from moe_perf.common import contract
 from moe_perf.common.config import Config, ConfigError, load_config
 from moe_perf.common.corpus import CorpusError
 from moe_perf.common.mesh import MeshDims, MeshError
-from moe_perf.trainer import cp, flops, moe, pp, precision, profiling
+from moe_perf.trainer import cp, flops, loss, moe, pp, precision, profiling
 from moe_perf.trainer.data import local_microbatches, make_source
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.parallelize import (
@@ -156,9 +156,9 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
         params=params,
         optimizer=optimizer,
         autocast=torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext(),
-        # Compiled, the loss reads the bf16 logits once (fp32 upcast and log-softmax fused)
-        # instead of materialising them in fp32 [tokens x vocab].
-        loss_fn=torch.compile(cross_entropy) if cfg.trainer.compile else cross_entropy,
+        # One pass over the bf16 logits forward and one backward (Triton, on CUDA), or compiled:
+        # never the logits materialised in fp32 [tokens x vocab].
+        loss_fn=loss.cross_entropy_fn(device, cfg.trainer.compile),
         source=source,
         offsets=[
             dims.token_offset(m, par.dp_cp_rank, t.micro_batch, t.sequence_length)
