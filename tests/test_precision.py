@@ -93,6 +93,39 @@ def test_the_trainer_steps_the_masters_and_copies_them_into_the_model(tmp_path):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=5e-3, atol=0)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_residual_stream_stays_bf16_under_the_devices_autocast(tmp_path, device):
+    """Every block, norm and MoE layer of the trainer's bf16 model hands on bf16 under its
+    device's autocast. CUDA's runs rms_norm and sum in fp32 and returns fp32 (CPU's does not):
+    the residual stream was fp32 on GPUs from the first MoE layer on."""
+    cfg = load_config(
+        str(write_config(tmp_path, dtype={"name": "bf16", "fp8": False})),
+        ["training.global_batch=2", "training.micro_batch=2", f"training.device={device}",
+         "model.num_layers=3"],
+    )  # fmt: skip
+    tr = train.build(cfg, io.StringIO())
+    (model,) = tr.parts
+    seen = {}
+
+    def record(name):
+        def hook(module, args, out):
+            seen[name] = out.dtype
+
+        return hook
+
+    for name, module in model.named_modules():
+        if name.startswith("layers.") and name.count(".") <= 2 and "attention." not in name:
+            module.register_forward_hook(record(name))
+    inputs, _, positions = train.local_batch(tr, 1)[0]
+    with tr.autocast:
+        model(inputs, positions)
+    assert {"layers.2", "layers.2.ffn", "layers.2.ffn_norm"} <= set(seen)
+    assert {name: dt for name, dt in seen.items() if dt != torch.bfloat16} == {}
+
+
 def test_clipping_rides_on_the_fused_optimizer_step(tmp_path):
     """One rank, plain tensors: the clip is the fused AdamW's grad_scale, not a pass of its own;
     the step lands where clipping the gradients by hand and stepping does."""

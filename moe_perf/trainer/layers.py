@@ -34,7 +34,9 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        # In x's dtype: CUDA's autocast runs rms_norm in fp32 and returns fp32 (CPU's does not),
+        # which made the norms' outputs, and from the MoE's sum on the residual stream, fp32.
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps).to(x.dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, clamp: float) -> torch.Tensor:

@@ -154,8 +154,10 @@ class MoE(nn.Module):
             y_ND = self.experts(x_ND, tokens_per_expert_L, equal_counts)
         y_TKD = self.dispatcher.combine(y_ND, state)
         # sum_k w_TK * y_TKD: elementwise and a reduction (fused under compile); a bmm of
-        # T [1,K] @ [K,D] products ran at a few TFLOP/s.
-        out_TD = (y_TKD * weights_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1)
+        # T [1,K] @ [K,D] products ran at a few TFLOP/s. CUDA's autocast sums in fp32 and
+        # returns fp32: cast back, or the residual stream turns fp32 after the first MoE layer
+        # (and compile traces every later block a second time, for its fp32 input).
+        out_TD = (y_TKD * weights_TK.to(y_TKD.dtype).unsqueeze(-1)).sum(1).to(y_TKD.dtype)
 
         if self.shared is not None:
             shared_TD = self.shared(x_TD)
