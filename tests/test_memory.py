@@ -119,21 +119,19 @@ def bench_config(model: str, layers: int, global_batch: int, micro_batch: int) -
             "trainer": {"name": "reference", "compile": True}}  # fmt: skip
 
 
-# Peaks measured on one H200 (torch 2.11, docs/benchmarks.md): the trainer's peak_mem_gib,
-# torch.cuda.max_memory_reserved. The estimate counts tensors (allocated), which the caching
-# allocator's reserve exceeds: 1-3% at micro-batch 8, 8-13% at 16.
-H200_PEAKS_GIB = {
-    ("qwen3-30b-a3b", 4, 32, 16): 102.5,
-    ("qwen3-30b-a3b", 4, 32, 8): 72.4,
-    ("qwen3-30b-a3b", 4, 16, 16): 85.2,
-    ("qwen3-30b-a3b", 8, 32, 8): 123.9,
+# Peaks measured on one GPU (torch 2.11, docs/benchmarks.md) with the trainer as it is now (bf16
+# residual stream, the Triton loss): the trainer's peak_mem_gib, torch.cuda.max_memory_reserved,
+# with the card's memory. The estimate counts tensors (allocated), which the caching allocator's
+# reserve exceeds by a few percent.
+GPU_PEAKS_GIB = {
+    ("qwen3-30b-a3b", 4, 32, 8): 66.90,  # one H100 80GB, 0f05780 (bench_trainer_ab.sh)
 }
 
 
-@pytest.mark.parametrize("run", list(H200_PEAKS_GIB), ids=lambda r: "-".join(map(str, r)))
-def test_the_compiled_estimate_matches_the_h200_peaks(run):
+@pytest.mark.parametrize("run", list(GPU_PEAKS_GIB), ids=lambda r: "-".join(map(str, r)))
+def test_the_compiled_estimate_matches_the_measured_gpu_peaks(run):
     estimated = memory.estimate(config_from_dict(bench_config(*run)), "cuda")
-    assert -0.15 <= estimated.gib() / H200_PEAKS_GIB[run] - 1 <= 0.02, estimated.breakdown()
+    assert -0.10 <= estimated.gib() / GPU_PEAKS_GIB[run] - 1 <= 0.02, estimated.breakdown()
 
 
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "qwen3.5-35b-a3b", "deepseek-v2-lite",

@@ -16,7 +16,9 @@ states, gradients set to None between steps):
                with activation checkpointing only each block's input, plus one layer
                recomputed;
 * logits       the [tokens x vocab] tensors alive at the loss's backward (`logits_bytes`: three
-               fp32 ones eager, two in the compute dtype compiled), on the last pipeline stage;
+               fp32 ones eager, two in the compute dtype compiled, one on CUDA without
+               pipeline stages, whose Triton loss writes the gradient over the logits), on the
+               last pipeline stage;
 * runtime      what the process holds besides tensors: Python with torch loaded on a CPU (its
                RSS), the CUDA context and library workspaces on a GPU.
 
@@ -127,14 +129,18 @@ def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int, r: int
     return attn + router + routed + shared
 
 
-def logits_bytes(m: ModelConfig, tokens: int, b: int, compiled: bool) -> int:
+def logits_bytes(m: ModelConfig, tokens: int, b: int, compiled: bool, fused: bool = False) -> int:
     """The loss's peak at its backward, [tokens x vocab] tensors (model.cross_entropy).
 
     Eager: the head's output is not kept (its fp32 upcast is a new tensor, and log-softmax
     keeps its own output); in backward log-softmax's fp32 output, nll's fp32 gradient and
     log-softmax's fp32 gradient are alive together: 12 B each. Compiled (train.py compiles the
     loss with the blocks): upcast and log-softmax are fused, the graph keeps the head's output
-    in the compute dtype and its backward writes one gradient of that dtype: 2b."""
+    in the compute dtype and its backward writes one gradient of that dtype: 2b. `fused` (the
+    Triton loss, trainer/loss.py, on CUDA): the logits, then their gradient in the same
+    buffer: b."""
+    if fused:
+        return b * tokens * m.vocab_size
     return (2 * b if compiled else 12) * tokens * m.vocab_size
 
 
@@ -210,7 +216,9 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
             acts = len(saved) * 4 * tokens * m.hidden * in_flight + max(saved, default=0)
         else:
             acts = sum(saved) * in_flight
-        logits = logits_bytes(m, tokens, b, compiled) if last_stage else 0
+        # the Triton loss runs on CUDA where no pipeline schedule computes the loss
+        fused = device == "cuda" and dims.pp == 1
+        logits = logits_bytes(m, tokens, b, compiled, fused) if last_stage else 0
         stages.append(
             MemoryEstimate(
                 weights=4 * local + copies,
