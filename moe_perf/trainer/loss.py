@@ -26,6 +26,7 @@ from types import SimpleNamespace
 import torch
 
 from moe_perf.trainer.model import cross_entropy
+from moe_perf.trainer.precision import TritonKernels
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 _BLOCK = 4096
@@ -85,20 +86,6 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-# the kernels once built; False where Triton is missing
-_KERNELS: SimpleNamespace | bool | None = None
-
-
-def _kernels() -> SimpleNamespace | None:
-    global _KERNELS
-    if _KERNELS is None:
-        try:
-            _KERNELS = _build_kernels()
-        except ImportError:
-            _KERNELS = False
-    return _KERNELS or None
-
-
 def _build_kernels() -> SimpleNamespace:
     import triton
     import triton.language as tl
@@ -145,3 +132,6 @@ def _build_kernels() -> SimpleNamespace:
 
     return SimpleNamespace(forward=cross_entropy_forward_kernel,
                            backward=cross_entropy_backward_kernel)  # fmt: skip
+
+
+_kernels = TritonKernels(_build_kernels)

@@ -24,6 +24,7 @@ the same bf16 gradients; the residual stream and the norms' inputs are bf16 inst
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
@@ -90,23 +91,27 @@ def _accumulate_into(master: nn.Parameter):
 # fp32, one rounding: bit-identical to ATen's) with wide loads.
 
 _BLOCK = 4096
-# the kernels once built (their names carry explain's categories: "add" elementwise, "adamw"
-# optimizer); False where Triton is missing
-_KERNELS: SimpleNamespace | bool | None = None
 
 
-def _kernels() -> SimpleNamespace | None:
-    """The Triton kernels, built on first use on a CUDA device (None where Triton is missing)."""
-    global _KERNELS
-    if _KERNELS is None:
-        try:
-            _KERNELS = _build_kernels()
-        except ImportError:
-            _KERNELS = False
-    return _KERNELS or None
+class TritonKernels:
+    """`build()`'s kernels (a namespace; `build` imports Triton), built at the first call and
+    kept; the call returns None where Triton is missing."""
+
+    def __init__(self, build: Callable[[], SimpleNamespace]):
+        self._build = build
+        self._kernels: SimpleNamespace | bool | None = None
+
+    def __call__(self) -> SimpleNamespace | None:
+        if self._kernels is None:
+            try:
+                self._kernels = self._build()
+            except ImportError:
+                self._kernels = False
+        return self._kernels or None
 
 
 def _build_kernels() -> SimpleNamespace:
+    """The kernels' names carry explain's categories: "add" elementwise, "adamw" optimizer."""
     import triton
     import triton.language as tl
 
@@ -142,6 +147,9 @@ def _build_kernels() -> SimpleNamespace:
             tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
 
     return SimpleNamespace(grad_add=grad_add_kernel, master_adamw=master_adamw_kernel)
+
+
+_kernels = TritonKernels(_build_kernels)
 
 
 def _triton_reads(g: torch.Tensor) -> bool:
