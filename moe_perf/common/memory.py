@@ -8,7 +8,8 @@ states, gradients set to None between steps):
                bf16 compute weights (dtype=bf16 on one data x context rank:
                trainer/precision.py) or those autocast and the experts' cast keep for backward
                (fp8), inside FSDP one layer's all-gathered bf16 parameters;
-* gradients    4 B per local parameter;
+* gradients    4 B per local parameter, and with bf16 compute weights outside FSDP the bf16
+               gradient of the largest parameter, alive until its hook adds it in;
 * optimizer    8 B per local parameter (AdamW exp_avg and exp_avg_sq);
 * activations  what autograd saves per layer and micro-batch (`layer_activation_bytes`:
                eager, or what a compiled block's graphs keep, a smaller set), for the
@@ -219,10 +220,16 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
         # the Triton loss runs on CUDA where no pipeline schedule computes the loss
         fused = device == "cuda" and dims.pp == 1
         logits = logits_bytes(m, tokens, b, compiled, fused) if last_stage else 0
+        # bf16 compute weights outside FSDP: a parameter's bf16 gradient lives until its hook
+        # has added it into the fp32 one, the largest at once (an experts' w13, or the head)
+        transient = 0.0
+        if b == 2 and not fsdp:
+            w13 = max((2 * c.experts / 3 / dims.ep for c in counts), default=0)
+            transient = 2 * max(w13, m.vocab_size * m.hidden if last_stage else 0)
         stages.append(
             MemoryEstimate(
                 weights=4 * local + copies,
-                gradients=4 * local,
+                gradients=4 * local + transient,
                 optimizer=8 * local,
                 activations=acts,
                 logits=logits,
