@@ -12,6 +12,9 @@ forward and once backward (writing the gradient) costs. On CUDA `cross_entropy_f
   count of counted tokens, read from the device (no host sync), written in bf16 over the logits
   themselves (`in_place`: nothing else reads them after the loss, so no second 5 GB buffer).
 
+On one H100 (4 layers, micro-batch 8) inductor's pair took 28.4 ms a step, these 23.4 (forward 9.7,
+backward 13.8: about 2.1 and 2.9 TB/s, short of the card's 3.35).
+
 The arithmetic is in fp32, as `F.cross_entropy(logits.float(), labels)` does it; labels equal to
 -100 are not counted (its `ignore_index`). Elsewhere `cross_entropy_fn` gives that call itself
 (model.cross_entropy), compiled where the trainer compiles.
