@@ -36,6 +36,10 @@ STAND_IN = textwrap.dedent(
     fmt, steps, gbs, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     fmt = fmt if fmt in ("torchtitan", "megatron", "nemo") else "mine"  # else: a user's regex
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == 0:  # what the runner put in the environment, for the tests to read
+        with open(os.path.join(os.environ["MOE_PERF_ARM_DIR"], "env.txt"), "w") as f:
+            for key in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTHONPYCACHEPREFIX"):
+                f.write(f"{key}={os.environ.get(key, '')}\\n")
     ESC = "\\x1b"
 
     def stamp(sep=","):
@@ -193,6 +197,23 @@ def test_torchtitan_line_torchrun_passes_on_in_two_pieces(repo):
         console = (sweep_dir(repo) / "tiny" / f"{tag}-{arm}" / "console.log").read_text()
         assert re.search(r"\[rank1\]:[^\n]*tps: \d\[rank0\]:", console)  # as printed
         assert "[rank1]:rank 1: a print of its own" in console
+
+
+def test_the_command_gets_the_repositorys_compile_caches_and_bytecode_directory(repo, tmp_path):
+    """As the reference trainer's arms: torch.compile's caches in the compile-cache directory,
+    Python's bytecode in the machine's (the runner's environment forbids it beside the
+    sources); the user's trainer.env wins."""
+    cache, xdg = tmp_path / "cache", tmp_path / "xdg"
+    result = sweep(repo, "nemo", f"compile_cache={cache}", "+trainer.env.TRITON_CACHE_DIR=/mine",
+                   env={"PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(xdg)})  # fmt: skip
+    assert_feat_slower(repo, result)
+    for arm, rec in records(repo).items():
+        env_txt = sweep_dir(repo) / "tiny" / f"{TAG}-{arm}" / "env.txt"
+        seen = dict(line.split("=", 1) for line in env_txt.read_text().splitlines())
+        assert seen == {"TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+                        "TRITON_CACHE_DIR": "/mine",
+                        "PYTHONPYCACHEPREFIX": str(xdg / "moe_perf" / "pycache")}  # fmt: skip
+        assert rec["compile_cache"]["dir"] == str(cache)
 
 
 def test_torchtitan_command_that_runs_another_batch_fails_naming_the_override(repo):

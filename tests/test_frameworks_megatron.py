@@ -134,6 +134,11 @@ def test_mesh_shapes_fp8_and_extra_args():
     assert argv[-1] == "--use-distributed-optimizer"
     launch = Megatron().launch(cfg, Path("arm"), Path("arm/config.yaml"), Path("wt"))
     assert launch.log_format == "megatron" and launch.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    # torch.compile's caches as the reference trainer's arms get them; trainer.env wins
+    assert launch.env["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor")
+    mine = composed("model=qwen3-30b-a3b", "+trainer.env.TORCHINDUCTOR_CACHE_DIR=/mine")
+    launch = Megatron().launch(mine, Path("arm"), Path("arm/config.yaml"), Path("wt"))
+    assert launch.env["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
 
 
 def test_check_needs_a_megatron_lm_checkout(tmp_path):
