@@ -12,8 +12,8 @@
 # (variants base, base2, ...): e.g. the issue's baseline and the last commit before a change.
 # CONFIGS: bench_trainer.py arguments per configuration, separated by ';' (default below).
 # PYTHON: the interpreter with torch (default python3).
-# OUT_DIR gets <config>-<base|base2|...|this>/ (bench.json, profile/summary.md) and summary.txt, one line
-# per run: step time, tokens/s, TFLOP/s, peak memory.
+# OUT_DIR gets <config>-<base|base2|...|this>/ (bench.json, profile/summary.md) and
+# summary.txt, one line per run: step time, tokens/s, TFLOP/s, peak memory.
 set -euo pipefail
 IFS=',' read -r -a bases <<<"$1"
 out=$(realpath -m "$2")
