@@ -97,6 +97,7 @@ def summarize(record: dict, command_s: float) -> dict:
         "startup_before_step1_in_trainer_s": round(step1_start, 2),
         "marks_s": marks,
         "compile_cache": record.get("compile_cache"),
+        "compile": record.get("startup_compile"),
     }
 
 
@@ -112,6 +113,10 @@ def show(i: int, s: dict) -> None:
           f"of the command")  # fmt: skip
     print(f"  marks (s since the trainer process started): {parts}")
     print(f"  compile cache: {json.dumps(counts, sort_keys=True)}")
+    if s.get("compile"):
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in s["compile"]["phases_s"].items())
+        print(f"  compile phases (s, nested): {phases}")
+        print(f"  Triton in the trainer's process: {json.dumps(s['compile']['triton_in_process'])}")
 
 
 def main() -> None:

@@ -59,6 +59,11 @@ def test_the_second_arm_loads_unchanged_graphs_and_recompiles_the_changed_one(tm
     # the start-up timeline is in order, and the console names the cache and its counts
     marks = list(feat["startup_marks_s"].values())
     assert marks == sorted(marks) and feat["startup_marks_s"]["step1_done"] > 0
+    # where the compiles' time went, by dynamo's clocks: the cold arm traced and compiled
+    # (inductor's forward and backward compilers ran), within dynamo's own total
+    phases = base["startup_compile"]["phases_s"]
+    assert 0 < phases["backend"] <= phases["dynamo_total"]
+    assert phases["inductor_forward"] > 0 and phases["inductor_backward"] > 0
     assert f"compile cache {cache}: FX graphs {f['fxgraph_cache_hit']} hit" in result.stdout
 
 

@@ -4,6 +4,7 @@ Triton's interpreter (the same kernels, run element by element), on a GPU compil
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import subprocess
 import sys
@@ -84,3 +85,34 @@ def test_gpu_kernels_give_torchs_loss_and_gradient_at_the_bench_vocabulary():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     # one bf16 unit of the largest gradient at most
     assert (grad.float() - ref_grad.float()).abs().max() <= 2**-8 * ref_grad.float().abs().max()
+
+
+LISTENED = """
+import json, sys, torch
+from moe_perf.trainer import loss, runtime
+runtime.triton_compiles.install()
+logits = torch.randn(4, 8, 1000, device="cuda", requires_grad=True)
+labels = torch.randint(0, 1000, (4, 8), device="cuda")
+loss.triton_cross_entropy(logits * 1, labels, in_place=True).backward()
+torch.cuda.synchronize()
+print(json.dumps(runtime.triton_compiles.summary()))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_startup_counts_the_triton_kernels_the_trainer_compiles_and_those_it_loads(tmp_path):
+    """startup.json's triton_in_process: a process with an empty Triton cache compiles the loss's
+    two kernels (and says how long that took), the next one loads them."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    runs = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", LISTENED], env=env, capture_output=True,
+                                text=True, timeout=300, check=False)  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert set(cold["kernels_s"]) == {"cross_entropy_forward_kernel",
+                                      "cross_entropy_backward_kernel"}  # fmt: skip
+    assert cold["compiled"] == 2 and cold["compile_s"] > 0
+    assert warm["compiled"] == 0 and warm["loaded_from_cache"] >= 2

@@ -116,6 +116,11 @@ def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, start
     startup = compile_cache.read_startup(job.arm_dir)  # rank 0's timeline and cache counters
     if startup is not None:
         extra = {**extra, "startup_marks_s": startup.get("marks_s")}
+        if startup.get("compile_phases_s"):  # where the compiles' time went (reference trainer)
+            extra["startup_compile"] = {
+                "phases_s": startup["compile_phases_s"],
+                "triton_in_process": startup.get("triton_in_process"),
+            }
         if "compile_cache" in extra:
             counters = startup.get("compile_counters") or None
             extra["compile_cache"] = {**extra["compile_cache"], "counters": counters}

@@ -57,6 +57,80 @@ def compile_counters() -> dict[str, int]:
     return dict(sorted(found.items()))
 
 
+# Where a compiled step 1 goes, for startup.json: dynamo's own phase clocks (seconds summed over
+# every compile of the process; nested, so they do not add up) ...
+COMPILE_PHASES = {
+    "dynamo_total": "_compile.compile_inner",
+    "dynamo_trace": "bytecode_tracing",
+    "backend": "OutputGraph.call_user_compiler",
+    "aot_trace_joint": "aot_trace_joint_graph",
+    "partition": "min_cut_rematerialization_partition",
+    "inductor_forward": "compile_fx.<locals>.fw_compiler_base",
+    "inductor_backward": "compile_fx.<locals>.bw_compiler",
+    "codegen": "GraphLowering.codegen",
+    "load_modules": "PyCodeCache.load_by_key_path",
+    "wait_for_kernel_workers": "async_compile.wait",
+}
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds in each of COMPILE_PHASES this process (absent: never entered); empty without
+    compile."""
+    if "torch._dynamo" not in sys.modules:
+        return {}
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv", aggregate=True)
+    seconds = dict(zip(names, map(float, values), strict=True))
+    return {k: round(seconds[v], 3) for k, v in COMPILE_PHASES.items() if v in seconds}
+
+
+class TritonCompiles:
+    """... and the Triton kernels this process compiled itself (the trainer's own kernels; the
+    compile workers' kernels are only loaded here): how many, and the seconds they took.
+    Listens through Triton's compilation listener where it has one (Triton >= 3.4)."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[str, float] = {}
+        self.loaded = 0
+
+    def install(self) -> None:
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        if hasattr(knobs, "compilation") and knobs.compilation.listener is None:
+            knobs.compilation.listener = self
+
+    def __call__(self, *, src, metadata, metadata_group, times, cache_hit) -> None:
+        if cache_hit:
+            self.loaded += 1
+            return
+        name = str(metadata.get("name", "?"))
+        self.compiled[name] = round(self.compiled.get(name, 0.0) + times.total / 1e6, 3)
+
+    def summary(self) -> dict:
+        return {
+            "compiled": len(self.compiled),
+            "compile_s": round(sum(self.compiled.values()), 3),
+            "loaded_from_cache": self.loaded,
+            "kernels_s": self.compiled,
+        }
+
+
+triton_compiles = TritonCompiles()
+
+
+def warm_compile_workers() -> None:
+    """Start inductor's compile-worker pool now rather than at the first compile (after dynamo
+    has traced step 1), so its processes start while the model is built. Inductor starts the
+    same pool itself (torch's TORCH_WARM_POOL=0 still turns it off); compiled arms on CUDA only,
+    where the pool compiles the Triton kernels."""
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
+
+
 def cache_custom_autograd_functions() -> None:
     """Let AOTAutograd's cache keep graphs that hold a custom autograd.Function (before the
     first compile). torch bypasses them by default, so every compiled arm re-traced and

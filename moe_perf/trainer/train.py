@@ -47,6 +47,7 @@ from moe_perf.trainer.runtime import (
     apply_fp8,
     cache_custom_autograd_functions,
     compile_counters,
+    compile_phases,
     environment,
     init_distributed,
     mean_over,
@@ -54,6 +55,8 @@ from moe_perf.trainer.runtime import (
     peak_memory_gib,
     resolve_device,
     sync,
+    triton_compiles,
+    warm_compile_workers,
 )
 
 USER_ERRORS = (ConfigError, MeshError, CorpusError)
@@ -108,6 +111,10 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     source = make_source(cfg.data, cfg.model, t.seed)  # CorpusError before anything starts
     device = resolve_device(t.device)
     init_distributed(device, dims.world)
+    if device.type == "cuda":
+        triton_compiles.install()
+        if cfg.trainer.compile:
+            warm_compile_workers()
     par = init_parallel(dims, device)
     timeline.mark("process_group")
     if par.global_rank == 0:
@@ -325,8 +332,14 @@ def explain(tr: Trainer, steps: int, out_dir) -> None:
 def write_startup(path: Path, timeline: Timeline) -> None:
     """Rank 0's start-up timeline (seconds since its process started at each mark: main,
     process_group, model_on_meta, parallelized, step1_done, steps_done, finished) and its
-    compile-cache counters, for the runner's record."""
-    info = {"marks_s": timeline.marks, "compile_counters": compile_counters()}
+    compile-cache counters, where its compiles' time went (dynamo's phase clocks, the Triton
+    kernels it compiled itself), for the runner's record."""
+    info = {
+        "marks_s": timeline.marks,
+        "compile_counters": compile_counters(),
+        "compile_phases_s": compile_phases(),
+        "triton_in_process": triton_compiles.summary(),
+    }
     path.write_text(json.dumps(info) + "\n")
 
 
