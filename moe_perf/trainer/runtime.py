@@ -70,6 +70,9 @@ COMPILE_PHASES = {
     "codegen": "GraphLowering.codegen",
     "load_modules": "PyCodeCache.load_by_key_path",
     "wait_for_kernel_workers": "async_compile.wait",
+    # at a kernel's first launch: inductor times each of its candidate configs (reductions,
+    # 2-D pointwise) and keeps the fastest (the choice is cached with the kernels)
+    "runtime_autotune": "CachingAutotuner.benchmark_all_configs",
 }
 
 
