@@ -20,6 +20,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.megatron import Megatron, megatron_argv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,11 +135,13 @@ def test_mesh_shapes_fp8_and_extra_args():
     assert argv[-1] == "--use-distributed-optimizer"
     launch = Megatron().launch(cfg, Path("arm"), Path("arm/config.yaml"), Path("wt"))
     assert launch.log_format == "megatron" and launch.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
-    # torch.compile's caches as the reference trainer's arms get them; trainer.env wins
-    assert launch.env["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor")
+    # the runner lays torch.compile's caches under every adapter's environment; trainer.env wins
+    env = compile_cache.under(cfg, Path("wt"), launch.env)
+    assert env["TORCHINDUCTOR_CACHE_DIR"].endswith("/inductor")
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     mine = composed("model=qwen3-30b-a3b", "+trainer.env.TORCHINDUCTOR_CACHE_DIR=/mine")
     launch = Megatron().launch(mine, Path("arm"), Path("arm/config.yaml"), Path("wt"))
-    assert launch.env["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
+    assert compile_cache.under(mine, Path("wt"), launch.env)["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
 
 
 def test_check_needs_a_megatron_lm_checkout(tmp_path):

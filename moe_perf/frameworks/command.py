@@ -17,7 +17,6 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.base import TrainerLaunch
 from moe_perf.report.logformats import line_parser
 
@@ -87,10 +86,7 @@ class CommandTrainer:
 
     def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
         arm = arm_values(cfg, arm_dir, config_path, worktree)
-        # torch.compile's caches and the bytecode directory, as the reference trainer's arms
-        # get them (compile_cache.py); the user's trainer.env wins
-        env = compile_cache.cache_env(cfg, worktree)
-        env |= {str(k): _text(v) for k, v in (cfg.trainer.get("env") or {}).items()}
+        env = {str(k): _text(v) for k, v in (cfg.trainer.get("env") or {}).items()}
         return TrainerLaunch(
             argv=fill(list(cfg.trainer.command), cfg, arm),
             env=env,

@@ -70,6 +70,12 @@ def cache_env(cfg: Any, code: Path) -> dict[str, str]:
     }
 
 
+def under(cfg: Any, code: Path, env: dict[str, str]) -> dict[str, str]:
+    """A trainer's environment: `cache_env` for the arm's worktree `code`, under the adapter's
+    `env` (which holds the user's trainer.env): what the adapter or the user set wins."""
+    return {**cache_env(cfg, code), **env}
+
+
 # Python's own compile cache. Where PYTHONDONTWRITEBYTECODE is set (a common line in Dockerfiles;
 # the CUDA image of our H200 runs sets it, and its torch ships no .pyc files), every trainer
 # process compiles the source of every module it imports: `import torch` and torch._dynamo took

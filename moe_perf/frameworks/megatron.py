@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.armcode import ArmCode, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
 from moe_perf.report.explain import explain_steps
@@ -203,9 +202,7 @@ class Megatron:
             )
 
     def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
-        # torch.compile's caches and the bytecode directory (compile_cache.py); trainer.env wins
-        env = compile_cache.cache_env(cfg, worktree)
-        env |= {str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()}
+        env = {str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()}
         # Megatron asks for this when its tensor or sequence parallelism overlaps communication
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
         return TrainerLaunch(argv=megatron_argv(cfg, arm_dir), env=env, log_format="megatron")

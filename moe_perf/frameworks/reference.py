@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.armcode import check_fp8_host
 from moe_perf.frameworks.base import TrainerLaunch
 
@@ -32,6 +31,4 @@ class ContractTrainer:
 
     def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
         argv = [str(part) for part in cfg.trainer.command] + [str(config_path)]
-        # torch.compile's caches in the repository's compile-cache directory (compile_cache.py)
-        env = compile_cache.cache_env(cfg, worktree)
-        return TrainerLaunch(argv=argv, env=env, log_format="contract")
+        return TrainerLaunch(argv=argv, log_format="contract")

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.armcode import ArmCode, check_fp8_host, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
 from moe_perf.report.explain import explain_steps
@@ -327,6 +326,6 @@ class TorchTitan:
             entry += ["--num-layers", str(layers)] if layers else []
             entry += ["--float8"] if fp8_in_process else []
             entry.append("--")
-        env = {**OFFLINE_ENV, **compile_cache.cache_env(cfg, worktree)}
+        env = dict(OFFLINE_ENV)
         env.update({str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()})
         return TrainerLaunch(argv=entry + argv, env=env, log_format="torchtitan")

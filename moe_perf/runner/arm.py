@@ -80,9 +80,12 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict)
     threads = RankThreads.for_launch(int(cfg.mesh.nproc_per_node))
     with git.worktree(sweep.repo, sweep.shas[arm], label) as worktree:
         trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
-        # as the trainer gets it: the adapter's (compile_cache.py), else the runner's, else
-        # None (torch's default under /tmp)
-        inductor_dir = trainer.env.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get(
+        # every trainer's processes get torch.compile's caches and the bytecode directory
+        # (compile_cache.py) under the adapter's environment, the user's trainer.env winning
+        env = compile_cache.under(cfg, worktree, trainer.env)
+        # as the trainer gets it: that environment's, else the runner's, else None (torch's
+        # default under /tmp)
+        inductor_dir = env.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get(
             "TORCHINDUCTOR_CACHE_DIR"
         )
         extra["compile_cache"] = {"dir": str(Path(inductor_dir).parent) if inductor_dir else None,
@@ -91,7 +94,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict)
         compiled = bool(cfg.trainer.get("compile", False))
         say(starting_line(label, threads, compiled, torchrun=not one_process))
         # the arm's temporary directory (git.worktree) holds its worktree
-        bytecode = compile_cache.bytecode_dir_of(trainer.env, worktree.parent)
+        bytecode = compile_cache.bytecode_dir_of(env, worktree.parent)
         with removed_after(bytecode):
             return run_trainer(
                 launcher.argv(cfg, job.arm_dir, trainer.argv),
@@ -101,7 +104,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict)
                 timeout_s=float(cfg.timeout_s),
                 kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
                 max_steps=int(cfg.training.max_steps),
-                env={**threads.env, **launcher.env(cfg), **trainer.env},
+                env={**threads.env, **launcher.env(cfg), **env},
                 failure_reason=launcher.failure_reason,
                 one_process=one_process,
                 log_format=trainer.log_format,
