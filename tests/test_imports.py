@@ -4,7 +4,8 @@ Rules (docs/design.md, "Import rules"):
   * the trainer (moe_perf/trainer) imports only moe_perf.common, itself, torch, numpy, yaml and
     the standard library, plus optional extras imported where they are used: torchao (fp8),
     tokenizers (the corpus build command) and triton (a CUDA kernel, built on first use); never
-    Hydra, OmegaConf, wandb or git;
+    Hydra, OmegaConf, wandb or git; kernels.py (the trainer's Triton kernels) imports triton at
+    module level and is itself imported only inside functions;
   * runner, report, launchers, frameworks, common and the Hydra launcher plugin never import torch,
     neither at module level nor inside a function (moe_perf/titan_entry.py is an in-rank entry
     point: torch and torchtitan are its job);
@@ -26,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 TRAINER_ALLOWED = ("moe_perf.common", "moe_perf.trainer", "torch", "numpy", "yaml")
 TRAINER_OPTIONAL = ("torchao", "tokenizers", "triton")
+OPTIONAL_MODULES = ("moe_perf.trainer.kernels",)  # may import an optional extra at module level
 NO_TORCH_PACKAGES = (
     "moe_perf.runner",
     "moe_perf.report",
@@ -150,9 +152,12 @@ def violations(root: Path, packages=("moe_perf", "hydra_plugins")) -> list[str]:
             where = f"{rel}:{imp.line}: {m} imports {t}"
             if _under(m, ("moe_perf.trainer",)):
                 allowed = _under(t, TRAINER_ALLOWED) or _top(t) in stdlib
-                optional = not imp.top_level and _under(t, TRAINER_OPTIONAL)
+                lazy = not imp.top_level or m in OPTIONAL_MODULES
+                optional = lazy and _under(t, TRAINER_OPTIONAL)
                 if not (allowed or optional):
                     problems.append(f"{where}: the trainer imports only common, itself, torch")
+                if imp.top_level and _under(t, OPTIONAL_MODULES):
+                    problems.append(f"{where}: an optional extra's module, imported where used")
             if (
                 _under(m, NO_TORCH_PACKAGES)
                 and not _under(m, NO_TORCH_EXEMPT)
@@ -207,6 +212,8 @@ def test_the_checker_reports_every_broken_rule(tmp_path):
     write(tmp_path, "moe_perf/titan_entry.py", "import torch\n")  # exempt
     write(tmp_path, "moe_perf/trainer/train.py", "import hydra\nimport torch\nimport numpy\n")
     write(tmp_path, "moe_perf/trainer/data.py", "def build():\n    import tokenizers\n")
+    write(tmp_path, "moe_perf/trainer/kernels.py", "import triton\n")  # allowed there
+    write(tmp_path, "moe_perf/trainer/loss.py", "from moe_perf.trainer import kernels\n")
     write(tmp_path, "moe_perf/trainer/moe.py", "import torch.distributed as dist\n")
     write(tmp_path, "moe_perf/trainer/routing.py", "from torch.distributed import all_reduce\n")
     write(tmp_path, "moe_perf/trainer/parallelize.py", "import torch.distributed\n")  # allowed
@@ -223,6 +230,8 @@ def test_the_checker_reports_every_broken_rule(tmp_path):
         "moe_perf/runner/app.py:4: moe_perf.runner.app imports torch: no torch",
         "moe_perf/report/render.py:1: moe_perf.report.render imports torch.nn: no torch",
         "moe_perf/trainer/train.py:1: moe_perf.trainer.train imports hydra: the trainer",
+        "moe_perf/trainer/loss.py:1: moe_perf.trainer.loss imports moe_perf.trainer.kernels: an "
+        "optional extra's module",
         "moe_perf/trainer/moe.py:1: moe_perf.trainer.moe imports torch.distributed: model code",
         "moe_perf/trainer/routing.py:1: moe_perf.trainer.routing imports "
         "torch.distributed.all_reduce: model code",

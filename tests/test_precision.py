@@ -155,7 +155,7 @@ def test_gpu_gradient_accumulation_is_bit_identical_to_aten(n):
     expected = acc.clone().add_(g)
     assert torch.equal(precision.accumulate_(acc, g), expected)
     assert torch.equal(precision.cast_fp32(g), g.float())
-    assert precision._kernels() is not None  # the Triton path ran, not the fallback
+    assert precision.triton_kernels() is not None  # the Triton path ran, not the fallback
 
 
 @pytest.mark.gpu

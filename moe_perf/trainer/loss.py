@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from types import SimpleNamespace
 
 import torch
 
 from moe_perf.trainer.model import cross_entropy
-from moe_perf.trainer.precision import TritonKernels
+from moe_perf.trainer.prebuild import Launch
+from moe_perf.trainer.precision import launch, triton_kernels
 
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index
 _BLOCK = 4096
@@ -38,7 +38,7 @@ _BLOCK = 4096
 def cross_entropy_fn(device: torch.device, compile: bool) -> Callable:
     """The trainer's loss function on `device`: the Triton passes on CUDA where Triton imports
     (the logits' gradient written over them), else `cross_entropy` (compiled if `compile`)."""
-    if device.type == "cuda" and _kernels() is not None:
+    if device.type == "cuda" and triton_kernels() is not None:
         return lambda logits_BSV, labels_BS: triton_cross_entropy(logits_BSV, labels_BS, True)
     return torch.compile(cross_entropy) if compile else cross_entropy
 
@@ -57,14 +57,11 @@ class _CrossEntropy(torch.autograd.Function):
     def forward(ctx, logits_TV: torch.Tensor, labels_T: torch.Tensor, in_place: bool):
         if logits_TV.stride(-1) != 1:
             logits_TV = logits_TV.contiguous()
-        T, V = logits_TV.shape
+        T = logits_TV.shape[0]
         lse_T = torch.empty(T, dtype=torch.float32, device=logits_TV.device)
         loss_T = torch.empty_like(lse_T)
         with _on(logits_TV.device):
-            _kernels().forward[(T,)](
-                logits_TV, labels_T, lse_T, loss_T, logits_TV.stride(0), IGNORE_INDEX,
-                V=V, BLOCK=_BLOCK, num_warps=8,
-            )  # fmt: skip
+            launch(_forward_launch(logits_TV, labels_T, lse_T, loss_T), grid=(T,))
         counted = (labels_T != IGNORE_INDEX).sum()
         ctx.save_for_backward(logits_TV, labels_T, lse_T, counted)
         ctx.in_place = in_place
@@ -73,14 +70,11 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         logits_TV, labels_T, lse_T, counted = ctx.saved_tensors
-        T, V = logits_TV.shape
+        T = logits_TV.shape[0]
         scale = (grad_loss.float() / counted).reshape(1)
         grad_TV = logits_TV if ctx.in_place else torch.empty_like(logits_TV)
         with _on(logits_TV.device):
-            _kernels().backward[(T,)](
-                logits_TV, grad_TV, labels_T, lse_T, scale, logits_TV.stride(0),
-                grad_TV.stride(0), IGNORE_INDEX, V=V, BLOCK=_BLOCK, num_warps=8,
-            )  # fmt: skip
+            launch(_backward_launch(logits_TV, grad_TV, labels_T, lse_T, scale), grid=(T,))
         return grad_TV, None, None
 
 
@@ -89,52 +83,32 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-def _build_kernels() -> SimpleNamespace:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def cross_entropy_forward_kernel(logits_ptr, labels_ptr, lse_ptr, loss_ptr, stride, ignore,
-                                     V: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        base = logits_ptr + row * stride
-        # per lane: the running maximum and the sum of exp(x - maximum) of what it has read
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, x)
-            seen = m_new > float("-inf")  # a lane that has read only padding stays at 0
-            s = tl.where(seen, s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
-            m = m_new
-        row_max = tl.max(m, 0)
-        total = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - row_max), 0.0), 0)
-        lse = row_max + tl.log(total)
-        label = tl.load(labels_ptr + row)
-        counted = label != ignore
-        x_label = tl.load(base + tl.where(counted, label, 0)).to(tl.float32)
-        tl.store(lse_ptr + row, lse)
-        tl.store(loss_ptr + row, tl.where(counted, lse - x_label, 0.0))
-
-    @triton.jit
-    def cross_entropy_backward_kernel(logits_ptr, grad_ptr, labels_ptr, lse_ptr, scale_ptr, stride,
-                                      grad_stride, ignore, V: tl.constexpr,
-                                      BLOCK: tl.constexpr):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        lse = tl.load(lse_ptr + row)
-        label = tl.load(labels_ptr + row)
-        scale = tl.where(label != ignore, tl.load(scale_ptr), 0.0)
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < V
-            x = tl.load(logits_ptr + row * stride + offs, mask=mask).to(tl.float32)
-            g = (tl.exp(x - lse) - tl.where(offs == label, 1.0, 0.0)) * scale
-            tl.store(grad_ptr + row * grad_stride + offs,
-                     g.to(grad_ptr.dtype.element_ty), mask=mask)  # fmt: skip
-
-    return SimpleNamespace(forward=cross_entropy_forward_kernel,
-                           backward=cross_entropy_backward_kernel)  # fmt: skip
+def _forward_launch(logits_TV, labels_T, lse_T, loss_T) -> Launch:
+    return Launch(
+        "cross_entropy_forward_kernel",
+        (logits_TV, labels_T, lse_T, loss_T, logits_TV.stride(0), IGNORE_INDEX),
+        dict(V=logits_TV.shape[1], BLOCK=_BLOCK, num_warps=8),
+    )
 
 
-_kernels = TritonKernels(_build_kernels)
+def _backward_launch(logits_TV, grad_TV, labels_T, lse_T, scale) -> Launch:
+    return Launch(
+        "cross_entropy_backward_kernel",
+        (logits_TV, grad_TV, labels_T, lse_T, scale, logits_TV.stride(0), grad_TV.stride(0),
+         IGNORE_INDEX),
+        dict(V=logits_TV.shape[1], BLOCK=_BLOCK, num_warps=8),
+    )  # fmt: skip
+
+
+def prebuild_launches(vocab: int, dtype: torch.dtype) -> list[Launch]:
+    """The launches of the Triton loss over [tokens x `vocab`] logits of `dtype` (contiguous,
+    gradient in place, as the trainer calls it), for prebuild.py; meta tensors stand for the
+    step's fresh allocations."""
+    meta = dict(device="meta")
+    logits_TV = torch.empty(1, vocab, dtype=dtype, **meta)
+    labels_T = torch.empty(1, dtype=torch.int64, **meta)
+    lse_T, loss_T, scale = (torch.empty(1, dtype=torch.float32, **meta) for _ in range(3))
+    return [
+        _forward_launch(logits_TV, labels_T, lse_T, loss_T),
+        _backward_launch(logits_TV, logits_TV, labels_T, lse_T, scale),
+    ]

@@ -24,11 +24,13 @@ the same bf16 gradients; the residual stream and the norms' inputs are bf16 inst
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from types import SimpleNamespace
+import functools
+from types import ModuleType
 
 import torch
 from torch import nn
+
+from moe_perf.trainer.prebuild import Launch
 
 
 class MasterWeights:
@@ -93,63 +95,19 @@ def _accumulate_into(master: nn.Parameter):
 _BLOCK = 4096
 
 
-class TritonKernels:
-    """`build()`'s kernels (a namespace; `build` imports Triton), built at the first call and
-    kept; the call returns None where Triton is missing."""
-
-    def __init__(self, build: Callable[[], SimpleNamespace]):
-        self._build = build
-        self._kernels: SimpleNamespace | bool | None = None
-
-    def __call__(self) -> SimpleNamespace | None:
-        if self._kernels is None:
-            try:
-                self._kernels = self._build()
-            except ImportError:
-                self._kernels = False
-        return self._kernels or None
+@functools.cache
+def triton_kernels() -> ModuleType | None:
+    """kernels.py (the trainer's own Triton kernels), or None where Triton is missing."""
+    try:
+        from moe_perf.trainer import kernels
+    except ImportError:
+        return None
+    return kernels
 
 
-def _build_kernels() -> SimpleNamespace:
-    """The kernels' names carry explain's categories: "add" elementwise, "adamw" optimizer."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def grad_add_kernel(acc_ptr, g_ptr, n, ADD: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-        if ADD:
-            g += tl.load(acc_ptr + offs, mask=mask)
-        tl.store(acc_ptr + offs, g, mask=mask)
-
-    @triton.jit
-    def master_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, scale_ptr, n, lr, beta1, beta2,
-                            eps, decay, step_size, bias2_sqrt, HAS_SCALE: tl.constexpr,
-                            HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        p = tl.load(p_ptr + offs, mask=mask)
-        g = tl.load(g_ptr + offs, mask=mask)
-        m = tl.load(m_ptr + offs, mask=mask)
-        v = tl.load(v_ptr + offs, mask=mask)
-        if HAS_SCALE:  # the clip, as torch's fused AdamW applies its grad_scale
-            g = g / tl.load(scale_ptr)
-        p = p * (1.0 - lr * decay)
-        m = m + (1.0 - beta1) * (g - m)
-        v = v * beta2 + (1.0 - beta2) * g * g
-        p = p - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        if HAS_COPY:
-            tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
-
-    return SimpleNamespace(grad_add=grad_add_kernel, master_adamw=master_adamw_kernel)
-
-
-_kernels = TritonKernels(_build_kernels)
+def launch(what: Launch, grid: tuple) -> None:
+    """`what`, one of kernels.py's kernels, launched over `grid` on the current device."""
+    getattr(triton_kernels(), what.kernel)[grid](*what.args, **what.constexprs)
 
 
 def _triton_reads(g: torch.Tensor) -> bool:
@@ -158,14 +116,17 @@ def _triton_reads(g: torch.Tensor) -> bool:
         g.is_cuda
         and g.dtype in (torch.bfloat16, torch.float16)
         and g.is_contiguous()
-        and _kernels() is not None
+        and triton_kernels() is not None
     )
 
 
+def _grad_add_launch(acc: torch.Tensor, g: torch.Tensor, add: bool) -> Launch:
+    return Launch("grad_add_kernel", (acc, g, g.numel()), dict(ADD=add, BLOCK=_BLOCK, num_warps=8))
+
+
 def _launch(acc: torch.Tensor, g: torch.Tensor, add: bool) -> None:
-    n = g.numel()
     with torch.cuda.device(g.device):
-        _kernels().grad_add[(-(-n // _BLOCK),)](acc, g, n, ADD=add, BLOCK=_BLOCK, num_warps=8)
+        launch(_grad_add_launch(acc, g, add), grid=(-(-g.numel() // _BLOCK),))
 
 
 def accumulate_(acc: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -230,7 +191,7 @@ class MasterAdamW(torch.optim.AdamW):
             self._triton = (
                 bool(params)
                 and all(p.is_cuda and p.is_contiguous() for p in params)
-                and (_kernels() is not None)
+                and (triton_kernels() is not None)
             )
         return self._triton
 
@@ -257,16 +218,44 @@ class MasterAdamW(torch.optim.AdamW):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["step"] += 1
-        step = float(state["step"])
+        what = self._launch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], group, scale,
+                            step=float(state["step"]))  # fmt: skip
+        with torch.cuda.device(p.device):
+            launch(what, grid=(-(-p.numel() // _BLOCK),))
+
+    def _launch(self, p, grad, exp_avg, exp_avg_sq, group, scale, step: float) -> Launch:
         lr, (beta1, beta2) = float(group["lr"]), group["betas"]
         copy = self.copy_of.get(id(p))
-        n = p.numel()
-        with torch.cuda.device(p.device):
-            _kernels().master_adamw[(-(-n // _BLOCK),)](
-                p, p.grad, state["exp_avg"], state["exp_avg_sq"],
-                copy if copy is not None else p, scale if scale is not None else p, n,
-                lr, beta1, beta2, group["eps"], group["weight_decay"],
-                lr / (1 - beta1**step), (1 - beta2**step) ** 0.5,
-                HAS_SCALE=scale is not None, HAS_COPY=copy is not None, BLOCK=_BLOCK,
-                num_warps=8,
-            )  # fmt: skip
+        return Launch(
+            "master_adamw_kernel",
+            (p, grad, exp_avg, exp_avg_sq, copy if copy is not None else p,
+             scale if scale is not None else p, p.numel(), lr, beta1, beta2, group["eps"],
+             group["weight_decay"], lr / (1 - beta1**step), (1 - beta2**step) ** 0.5),
+            dict(HAS_SCALE=scale is not None, HAS_COPY=copy is not None, BLOCK=_BLOCK,
+                 num_warps=8),
+        )  # fmt: skip
+
+    def prebuild_launches(self, clip: bool, micro_batches: int) -> list[Launch]:
+        """The launches of the Triton passes in a step (none where torch's AdamW runs), for
+        prebuild.py: each master's AdamW step (`clip`: with the clip's scale) and each compute
+        copy's gradient cast and, over several `micro_batches`, accumulation. Meta tensors
+        stand for the step's fresh allocations (gradients, moments, the scale)."""
+        if not self._one_pass():
+            return []
+
+        def fresh(p: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+            return torch.empty(p.shape, dtype=dtype, device="meta")
+
+        scale = torch.empty(1, device="meta") if clip else None
+        launches = [
+            self._launch(p, fresh(p), fresh(p), fresh(p), group, scale, step=1.0)
+            for group in self.param_groups
+            for p in group["params"]
+        ]
+        adds = (False, True)[:micro_batches]  # the first micro-batch's gradient is a cast
+        for mw in self.master_weights:
+            for p in mw.compute:
+                if p.dtype in (torch.bfloat16, torch.float16):  # as _triton_reads
+                    acc, g = fresh(p), fresh(p, p.dtype)
+                    launches += [_grad_add_launch(acc, g, add) for add in adds]
+        return launches

@@ -12,6 +12,8 @@ reductions are outside. tokens/s = global_batch * sequence_length / step time.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 import traceback
@@ -29,7 +31,7 @@ from moe_perf.common import contract
 from moe_perf.common.config import Config, ConfigError, load_config
 from moe_perf.common.corpus import CorpusError
 from moe_perf.common.mesh import MeshDims, MeshError
-from moe_perf.trainer import cp, flops, loss, moe, pp, precision, profiling
+from moe_perf.trainer import cp, flops, loss, moe, pp, prebuild, precision, profiling
 from moe_perf.trainer.data import local_microbatches, make_source
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.parallelize import (
@@ -84,6 +86,7 @@ class Trainer:
     offsets: list[int]  # forced balance: global index of this rank's first token per micro-batch
     device_name: str | None
     clip_in_optimizer: bool = False  # the fused optimizer applies the clip (clip_gradients)
+    helper: subprocess.Popen | None = None  # compiling the Triton kernels ahead (prebuild.py)
 
     @property
     def rank(self) -> int:
@@ -153,7 +156,7 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     else:
         optimizer = torch.optim.AdamW(optimizer_param_groups(params), fused=True, **adamw)
     bf16 = cfg.dtype.name in ("bf16", "fp8")
-    return Trainer(
+    tr = Trainer(
         cfg=cfg,
         dims=dims,
         device=device,
@@ -174,6 +177,28 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         clip_in_optimizer=not any(isinstance(p, DTensor) for p in params),
     )
+    tr.helper = prebuild_kernels(tr, n_micro, torch.bfloat16 if bf16 else torch.float32)
+    return tr
+
+
+def prebuild_kernels(tr: Trainer, n_micro: int, logits_dtype: torch.dtype):
+    """The helper process compiling the trainer's own Triton kernels for step 1 while step 1
+    traces and compiles the model (prebuild.py): on CUDA, by each node's first rank (the
+    others find what it compiled in the node's Triton cache). None elsewhere."""
+    if tr.device.type != "cuda" or int(os.environ.get("LOCAL_RANK", 0)) != 0:
+        return None
+    if precision.triton_kernels() is None:
+        return None
+    from triton.runtime.driver import driver
+
+    launches = []
+    if tr.pipe is None:  # the pipeline's last stage computes torch's cross-entropy
+        launches += loss.prebuild_launches(tr.cfg.model.vocab_size, logits_dtype)
+    if isinstance(tr.optimizer, precision.MasterAdamW):
+        clip = tr.clip_in_optimizer and tr.cfg.trainer.max_grad_norm > 0
+        launches += tr.optimizer.prebuild_launches(clip, n_micro)
+    target = driver.active.get_current_target()
+    return prebuild.start(launches, (target.backend, target.arch, target.warp_size))
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,6 +373,19 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
     timeline = Timeline()
     timeline.mark("main")
     tr = build(cfg, out, timeline)
+    try:
+        steps(tr, out, timeline, profile_dir, explain_dir)
+    finally:
+        prebuild.stop(tr.helper)
+    timeline.mark("finished")
+    if startup_path is not None and tr.rank == 0:
+        write_startup(Path(startup_path), timeline)
+
+
+def steps(tr: Trainer, out, timeline: Timeline, profile_dir, explain_dir) -> None:
+    """The measured steps (a contract line each from rank 0), the profiled ones after them
+    (explain), then the process group's end."""
+    cfg = tr.cfg
     max_steps = cfg.training.max_steps
     profiler = profiling.Profiler(cfg.trainer, max_steps, tr.device, tr.rank, profile_dir)
     for step in range(1, max_steps + 1):
@@ -365,9 +403,6 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    timeline.mark("finished")
-    if startup_path is not None and tr.rank == 0:
-        write_startup(Path(startup_path), timeline)
 
 
 def main(argv: list[str]) -> int:
