@@ -174,3 +174,24 @@ def test_gpu_a_steps_launches_load_what_the_helper_compiled(tmp_path):
     counts = run_python(GPU_STEP, tmp_path / "triton")
     assert counts["compiled"] == 0, counts
     assert counts["loaded_from_cache"] >= 6
+
+
+def test_triton_key_is_hashed_by_a_thread_before_the_first_compile_needs_it():
+    """runtime.hash_triton_in_background: a thread fills Triton's lru-cached version key, so
+    the first compile's cache keys (inductor's, AOTAutograd's) find it instead of hashing
+    libtriton.so on the main thread. A fresh process: the key is not yet cached there."""
+    code = (
+        "import threading\n"
+        "from torch._inductor.runtime.triton_compat import triton_key\n"
+        "from moe_perf.trainer.runtime import hash_triton_in_background\n"
+        "assert triton_key.cache_info().currsize == 0\n"
+        "thread = hash_triton_in_background()\n"
+        "assert thread is not threading.current_thread()\n"
+        "thread.join()\n"
+        "assert triton_key.cache_info().misses == 1\n"
+        "key = triton_key()\n"
+        "assert triton_key.cache_info().hits == 1 and key\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=HERE.parent, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr

@@ -157,6 +157,7 @@ BAD_INPUTS = {
     "model.num_kv_heads=0": "model.num_kv_heads=0 must be >= 1",
     "model.top_k=9": "model.top_k=9 must be in 1..model.num_experts=8",
     "trainer.pp_virtual_stages=0": "trainer.pp_virtual_stages=0 must be >= 1",
+    "trainer.sample_stacks_ms=-5": "trainer.sample_stacks_ms=-5.0 must be >= 0",
     "trainer.activation_checkpointing=some": "trainer.activation_checkpointing=some: expected",
     "launcher.kill_grace_s=-1": "launcher.kill_grace_s=-1.0 must be >= 0",
     "mesh.device_memory_gib=0": "mesh.device_memory_gib=0.0 must be > 0",

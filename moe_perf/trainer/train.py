@@ -31,7 +31,7 @@ from moe_perf.common import contract
 from moe_perf.common.config import Config, ConfigError, load_config
 from moe_perf.common.corpus import CorpusError
 from moe_perf.common.mesh import MeshDims, MeshError
-from moe_perf.trainer import cp, flops, loss, moe, pp, prebuild, precision, profiling
+from moe_perf.trainer import cp, flops, loss, moe, pp, prebuild, precision, profiling, stacks
 from moe_perf.trainer.data import local_microbatches, make_source
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.parallelize import (
@@ -51,6 +51,7 @@ from moe_perf.trainer.runtime import (
     compile_counters,
     compile_phases,
     environment,
+    hash_triton_in_background,
     init_distributed,
     mean_over,
     peak_gpu_memory_gib,
@@ -114,10 +115,12 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     source = make_source(cfg.data, cfg.model, t.seed)  # CorpusError before anything starts
     device = resolve_device(t.device)
     init_distributed(device, dims.world)
+    hashing = None
     if device.type == "cuda":
         triton_compiles.install()
         if cfg.trainer.compile:
             warm_compile_workers()
+            hashing = hash_triton_in_background()
     par = init_parallel(dims, device)
     timeline.mark("process_group")
     if par.global_rank == 0:
@@ -178,6 +181,8 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
         clip_in_optimizer=not any(isinstance(p, DTensor) for p in params),
     )
     tr.helper = prebuild_kernels(tr, n_micro, torch.bfloat16 if bf16 else torch.float32)
+    if hashing is not None:
+        hashing.join()
     return tr
 
 
@@ -372,12 +377,17 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
         startup_path=None) -> None:  # fmt: skip
     timeline = Timeline()
     timeline.mark("main")
+    sampler = stacks.start(cfg.trainer.sample_stacks_ms, timeline.marks)
     tr = build(cfg, out, timeline)
     try:
         steps(tr, out, timeline, profile_dir, explain_dir)
     finally:
         prebuild.stop(tr.helper)
     timeline.mark("finished")
+    if sampler is not None:
+        sampler.stop()
+        where = Path(cfg.trainer.profile_dir or profile_dir or "profile")
+        sampler.write(where / f"stacks_rank{tr.rank}.txt")
     if startup_path is not None and tr.rank == 0:
         write_startup(Path(startup_path), timeline)
 
