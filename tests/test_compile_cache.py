@@ -9,8 +9,14 @@ the counters the trainer recorded (torch's fxgraph_cache_hit/miss), not from tim
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import pytest
 from conftest import git, moe_perf, sweep_dir
 from test_e2e import assert_ok, copy_of_moe_perf
 
@@ -196,3 +202,53 @@ def test_bytecode_env_respects_the_users_own_choices(tmp_path, monkeypatch):
     monkeypatch.delenv("PYTHONPYCACHEPREFIX")
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
     assert compile_cache.bytecode_env() == {}
+
+
+def _prefix_env(tmp_path: Path) -> dict[str, str]:
+    return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
+
+
+def test_a_many_core_hosts_first_arm_compiles_the_packages_bytecode_beside_it(tmp_path):
+    """bytecode_compiled on a host of 8 cores or more (jinja2 here, a package torch imports,
+    for speed): the pool compiles every module of it into the prefix while the arm runs, where
+    Python itself then finds them (importing them rewrites none); the marker keeps the next
+    arm from starting a pool."""
+    env = _prefix_env(tmp_path)
+    pycache = tmp_path / "pycache"
+    with compile_cache.bytecode_compiled(env, ("jinja2",), cores=8) as pool:
+        assert pool is not None
+    assert pool.returncode == 0
+    pool_end = time.time_ns()
+    (jinja_dir,) = compile_cache.package_dirs(("jinja2",))
+    ours = pycache / jinja_dir[1:]  # Python's layout under a prefix: the source's absolute path
+    compiled = sorted(ours.rglob("*.pyc"))
+    assert len(compiled) == len(list(Path(jinja_dir).rglob("*.py")))
+    subprocess.run([sys.executable, "-c", "import jinja2, jinja2.compiler, jinja2.sandbox"],
+                   env={**os.environ, **env}, check=True)  # fmt: skip
+    assert sorted(ours.rglob("*.pyc")) == compiled
+    assert all(p.stat().st_mtime_ns <= pool_end for p in compiled), "Python compiled again"
+    assert len(list(pycache.glob(".compiled-*"))) == 1
+    with compile_cache.bytecode_compiled(env, ("jinja2",), cores=8) as again:
+        assert again is None
+
+
+def test_no_pool_on_a_small_host_nor_under_the_users_own_bytecode_settings(tmp_path):
+    with compile_cache.bytecode_compiled(_prefix_env(tmp_path), ("jinja2",), cores=2) as pool:
+        assert pool is None  # 2 cores: the pool would take longer than the arm's own compile
+    users = {"PYTHONPYCACHEPREFIX": str(tmp_path / "theirs")}  # no PYTHONDONTWRITEBYTECODE
+    with compile_cache.bytecode_compiled(users, ("jinja2",), cores=8) as pool:
+        assert pool is None
+    with compile_cache.bytecode_compiled({}, ("jinja2",), cores=8) as pool:
+        assert pool is None
+    assert not (tmp_path / "pycache").exists() and not (tmp_path / "theirs").exists()
+
+
+def test_an_interrupted_arm_kills_the_pool_and_leaves_no_marker(tmp_path):
+    env = _prefix_env(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        with compile_cache.bytecode_compiled(env, ("torch",), cores=8) as pool:
+            raise KeyboardInterrupt
+    assert pool.returncode == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pool.pid, 0)  # its workers went with it
+    assert not list((tmp_path / "pycache").glob(".compiled-*"))

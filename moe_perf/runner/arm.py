@@ -95,7 +95,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict)
         say(starting_line(label, threads, compiled, torchrun=not one_process))
         # the arm's temporary directory (git.worktree) holds its worktree
         bytecode = compile_cache.bytecode_dir_of(env, worktree.parent)
-        with removed_after(bytecode):
+        with removed_after(bytecode), compile_cache.bytecode_compiled(env):
             return run_trainer(
                 launcher.argv(cfg, job.arm_dir, trainer.argv),
                 cwd=worktree,
