@@ -195,3 +195,47 @@ def test_triton_key_is_hashed_by_a_thread_before_the_first_compile_needs_it():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=HERE.parent, check=False)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_attention_warm_up_runs_forward_and_backward_and_leaves_the_generators_alone():
+    """runtime.warm_attention_in_background on the CPU (on a GPU it takes cuDNN's first use
+    out of step 1): the model's attention at the step's shapes, forward and backward, in its
+    own thread; the global generator, which the model's init and data read, is not advanced,
+    and a shape SDPA refuses ends the thread quietly (the step reports it)."""
+    import dataclasses
+
+    import yaml
+
+    from moe_perf.common.config import ModelConfig
+    from moe_perf.trainer.runtime import warm_attention_in_background
+
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    values = yaml.safe_load((HERE.parent / "conf" / "model" / "tiny.yaml").read_text())
+    tiny = ModelConfig(**{k: v for k, v in values.items() if k in fields})
+    before = torch.get_rng_state()
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kw):
+        out = sdpa(q, k, v, **kw)
+        calls.append((q.shape, k.shape, v.stride(), kw, out.requires_grad))
+        return out
+
+    torch.nn.functional.scaled_dot_product_attention = recording
+    try:
+        thread = warm_attention_in_background(tiny, 2, 64, torch.device("cpu"))
+        thread.join(timeout=60)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    assert not thread.is_alive() and thread.name == "moe_perf-warm-attention"
+    ((q_shape, k_shape, v_stride, kw, grad),) = calls
+    assert q_shape == (2, tiny.num_heads, 64, tiny.head_dim)
+    assert k_shape == (2, tiny.num_kv_heads, 64, tiny.head_dim)
+    assert v_stride[1] == tiny.head_dim  # the model's (B, S, G, d) view, heads not outermost
+    assert kw == {"is_causal": True, "enable_gqa": tiny.num_heads != tiny.num_kv_heads} and grad
+    assert torch.equal(before, torch.get_rng_state())
+
+    bad = dataclasses.replace(tiny, num_heads=3)  # GQA: 3 query heads over 2 kv heads
+    thread = warm_attention_in_background(bad, 2, 64, torch.device("cpu"))
+    thread.join(timeout=60)
+    assert not thread.is_alive()
