@@ -164,11 +164,10 @@ def warm_attention_in_background(m, batch: int, seq: int, device: torch.device) 
 
     def attention() -> None:
         kv, v_dim = m.num_kv_heads, m.v_head_dim or m.head_dim
-        # zeros, not random: the global generators stay the model's (its init, its data)
         bf16 = dict(device=device, dtype=torch.bfloat16, requires_grad=True)
-        q = torch.zeros(batch, m.num_heads, seq, m.head_dim, **bf16)
-        k = torch.zeros(batch, kv, seq, m.head_dim, **bf16)
-        v = torch.zeros(batch, seq, kv, v_dim, **bf16).transpose(1, 2)  # as the model's view
+        q = torch.randn(batch, m.num_heads, seq, m.head_dim, **bf16)
+        k = torch.randn(batch, kv, seq, m.head_dim, **bf16)
+        v = torch.randn(batch, seq, kv, v_dim, **bf16).transpose(1, 2)  # as the model's view
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=m.num_heads != kv
         )
