@@ -147,37 +147,6 @@ def hash_triton_in_background() -> threading.Thread:
     return thread
 
 
-def warm_attention_in_background(m, batch: int, seq: int, device: torch.device) -> threading.Thread:
-    """One causal GQA attention forward and backward at the step's shapes (model `m`, `batch`
-    sequences of `seq` tokens, bf16), in a thread while the model is built; join it before
-    step 1. On an H100, cuDNN's attention costs its process 0.69 s at its first forward and
-    0.67 s at its first backward, inside step 1; most of it is the process's first use of
-    cuDNN's attention (a thread that had run one first left 43 ms to the main thread's first
-    forward and 2.5 ms to the backward: the backward runs on autograd's device thread, shared).
-    The op runs without the GIL, beside the build's imports."""
-
-    def attend() -> None:
-        try:
-            attention()
-        except Exception:  # a warm-up only: the step meets, and reports, whatever failed here
-            pass
-
-    def attention() -> None:
-        kv, v_dim = m.num_kv_heads, m.v_head_dim or m.head_dim
-        bf16 = dict(device=device, dtype=torch.bfloat16, requires_grad=True)
-        q = torch.randn(batch, m.num_heads, seq, m.head_dim, **bf16)
-        k = torch.randn(batch, kv, seq, m.head_dim, **bf16)
-        v = torch.randn(batch, seq, kv, v_dim, **bf16).transpose(1, 2)  # as the model's view
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=m.num_heads != kv
-        )
-        out.backward(torch.ones_like(out))
-
-    thread = threading.Thread(target=attend, name="moe_perf-warm-attention", daemon=True)
-    thread.start()
-    return thread
-
-
 def cache_custom_autograd_functions() -> None:
     """Let AOTAutograd's cache keep graphs that hold a custom autograd.Function (before the
     first compile). torch bypasses them by default, so every compiled arm re-traced and

@@ -59,7 +59,6 @@ from moe_perf.trainer.runtime import (
     resolve_device,
     sync,
     triton_compiles,
-    warm_attention_in_background,
     warm_compile_workers,
 )
 
@@ -116,16 +115,12 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     source = make_source(cfg.data, cfg.model, t.seed)  # CorpusError before anything starts
     device = resolve_device(t.device)
     init_distributed(device, dims.world)
-    background = []
+    hashing = None
     if device.type == "cuda":
         triton_compiles.install()
         if cfg.trainer.compile:
             warm_compile_workers()
-            background.append(hash_triton_in_background())
-        if cfg.dtype.name in ("bf16", "fp8") and dims.cp == 1:  # context parallel: its own path
-            background.append(
-                warm_attention_in_background(cfg.model, t.micro_batch, t.sequence_length, device)
-            )
+            hashing = hash_triton_in_background()
     par = init_parallel(dims, device)
     timeline.mark("process_group")
     if par.global_rank == 0:
@@ -186,10 +181,8 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
         clip_in_optimizer=not any(isinstance(p, DTensor) for p in params),
     )
     tr.helper = prebuild_kernels(tr, n_micro, torch.bfloat16 if bf16 else torch.float32)
-    for thread in background:
-        thread.join()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the attention warm-up's blocks: the step's memory as before
+    if hashing is not None:
+        hashing.join()
     return tr
 
 
