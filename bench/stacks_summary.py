@@ -4,8 +4,8 @@
         [--thread main] [--top 25] [--under moe_perf/trainer/train.py:train_step]
 
 Per phase (the last start-up mark reached: step 1 is in "since parallelized"), the thread's
-seconds (the main thread's by default, whose seconds are the wall time; `--thread Dummy-1` for
-autograd's device thread, `--thread all`), then the functions with the most inclusive time (the
+seconds (the main thread's by default, whose seconds are the wall time; `--thread "unnamed thread"`
+for autograd's device thread, `--thread all`), then the functions with the most inclusive time (the
 stack was in them: each counted once per stack) and the most self time (the innermost frame).
 --under keeps only the stacks through a function, to split one call's time (e.g. step 1's
 `train_step`) by what it called.

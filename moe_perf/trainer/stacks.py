@@ -43,9 +43,9 @@ def frame_label(frame: FrameType) -> str:
 class StackSampler:
     """Samples every Python thread but its own every `interval_ms` until stop(); `phase` is a
     callable giving the current phase's name. seconds[(phase, frames)] is the wall time seen,
-    frames[0] naming the thread: `[main]`, or its name (`[Thread-3 (worker)]`, `[Dummy-1]` for
-    a thread Python did not start, such as autograd's device thread running a compiled
-    backward). Only the main thread's seconds add up to the wall time: a waiting thread's
+    frames[0] naming the thread: `[main]`, its name (`[Thread-3 (worker)]`), or `[unnamed
+    thread]` for one Python did not start, such as autograd's device thread running a compiled
+    backward. Only the main thread's seconds add up to the wall time: a waiting thread's
     stack collects its waits too."""
 
     def __init__(self, interval_ms: float, phase):
