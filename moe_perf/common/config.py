@@ -206,7 +206,7 @@ class TrainerConfig:
     # trace per rank in `profile_dir` (default: a `profile` folder beside the config file)
     profile_steps: int = knob(0, min=0)
     profile_dir: Optional[str] = None  # noqa: UP045
-    # the main thread's Python stack sampled every `sample_stacks_ms` from start-up to the end
+    # every thread's Python stack sampled every `sample_stacks_ms` from start-up to the end
     # (0 = off): collapsed stacks per rank, stacks_rank<r>.txt, in profile_dir (stacks.py)
     sample_stacks_ms: float = knob(0.0, min=0)
     # steps run under torch.profiler after the measured ones (0 = off), not counted in the

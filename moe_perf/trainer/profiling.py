@@ -19,6 +19,12 @@ def start_profiler(device: torch.device) -> torch.profiler.profile:
     return prof
 
 
+def output_dir(tcfg, default) -> Path:
+    """Where the trainer's profiles go: trainer.profile_dir, else `default` (the arm's
+    `profile` folder), else ./profile."""
+    return Path(tcfg.profile_dir or default or "profile")
+
+
 class Profiler:
     """torch.profiler over the last `trainer.profile_steps` steps; writes, per rank,
     `kernels_rank<r>.txt` (ops by device time) and `trace_rank<r>.json` (Chrome trace).
@@ -32,7 +38,7 @@ class Profiler:
         self.first = max_steps - n + 1 if n > 0 else None
         self.last = max_steps
         self.device, self.rank = device, rank
-        self.out_dir = tcfg.profile_dir or out_dir
+        self.out_dir = output_dir(tcfg, out_dir)
         self.prof = None
         self.span = None
 
@@ -53,7 +59,7 @@ class Profiler:
         if step != self.last:
             return
         self.prof.stop()
-        out = Path(self.out_dir or "profile")
+        out = self.out_dir
         out.mkdir(parents=True, exist_ok=True)
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         table = self.prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=90)

@@ -386,8 +386,8 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
     timeline.mark("finished")
     if sampler is not None:
         sampler.stop()
-        where = Path(cfg.trainer.profile_dir or profile_dir or "profile")
-        sampler.write(where / f"stacks_rank{tr.rank}.txt")
+        out_dir = profiling.output_dir(cfg.trainer, profile_dir)
+        sampler.write(out_dir / f"stacks_rank{tr.rank}.txt")
     if startup_path is not None and tr.rank == 0:
         write_startup(Path(startup_path), timeline)
 
