@@ -1,5 +1,5 @@
-"""bench/bench_trainer.py, bench_trainer_ab.sh, bench_dispatch.py and profile_summary.py on CPU:
-the real trainer, a real profile."""
+"""bench/bench_trainer.py, bench_trainer_ab.sh, bench_dispatch.py, profile_summary.py and
+trace_ops.py on CPU: the real trainer, a real profile."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import profile_summary  # noqa: E402
+import trace_ops  # noqa: E402
 
 
 @pytest.mark.slow
@@ -75,6 +76,64 @@ def test_profile_summary_categories_and_idle(tmp_path):
     assert set(cats) == {"dense GEMM", "all-to-all", "norms/elementwise", "optimizer",
                          "host gaps/idle"}  # fmt: skip
     assert "| dense GEMM | 0.30 | 12.0% |" in profile_summary.to_markdown(s)
+
+
+def test_trace_ops_finds_each_call_and_what_nests_in_it(tmp_path):
+    import torch
+
+    x, w = torch.randn(64, 32), torch.randn(16, 32)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for step in range(2):
+            with torch.profiler.record_function(f"ProfilerStep#{step}"):
+                for _ in range(step + 1):  # one call in step 0, two in step 1
+                    torch.nn.functional.linear(x, w)
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    trace = trace_ops.read_trace(path)
+
+    every = trace_ops.inside(trace, "aten::linear")
+    assert len(every) == 3
+    second = trace_ops.inside(trace, "aten::linear", step=1)
+    assert [c["ts_ms"] for c in second] == [c["ts_ms"] for c in every[1:]]
+    for call in every:
+        assert call["name"] == "aten::linear"
+        assert "aten::matmul [cpu_op]" in call["nested"]  # linear = t + matmul on CPU
+        assert sum(ms for _, ms in call["nested"].values()) <= call["ms"] + 1e-3
+        assert call["runtime"] == {}  # no CUDA on this trace
+    with pytest.raises(SystemExit, match="no ProfilerStep#5"):
+        trace_ops.inside(trace, "aten::linear", step=5)
+
+    assert trace_ops.main([str(path), "aten::linear", "--step", "0"]) == 0
+    assert trace_ops.main([str(path), "no_such_op"]) == 1
+
+
+def test_trace_ops_counts_cuda_calls_at_any_depth_and_children_once():
+    def ev(name, cat, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 7}
+
+    trace = {
+        "traceEvents": [
+            ev("aten::_scaled_dot_product_cudnn_attention", "cpu_op", 0, 1000),
+            ev("aten::empty", "cpu_op", 10, 300),
+            ev("cudaMalloc", "cuda_runtime", 20, 250),  # inside aten::empty
+            ev("cudaLaunchKernel", "cuda_runtime", 400, 5),
+            ev("cuModuleLoadData", "cuda_driver", 500, 400),
+            ev("aten::mm", "cpu_op", 2000, 50),  # after the call: not part of it
+            {**ev("cudaMalloc", "cuda_runtime", 30, 100), "tid": 8},  # another thread
+        ]
+    }
+    (call,) = trace_ops.inside(trace, "cudnn_attention")
+    assert call["ms"] == pytest.approx(1.0)
+    assert call["nested"] == {
+        "aten::empty [cpu_op]": [1, pytest.approx(0.3)],
+        "cudaLaunchKernel [cuda_runtime]": [1, pytest.approx(0.005)],
+        "cuModuleLoadData [cuda_driver]": [1, pytest.approx(0.4)],
+    }
+    assert call["runtime"] == {
+        "cudaMalloc [cuda_runtime]": [1, pytest.approx(0.25)],
+        "cudaLaunchKernel [cuda_runtime]": [1, pytest.approx(0.005)],
+        "cuModuleLoadData [cuda_driver]": [1, pytest.approx(0.4)],
+    }
 
 
 def test_bench_dispatch_checks_both_dispatches_agree_and_times_them():
