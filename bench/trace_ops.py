@@ -27,7 +27,9 @@ def _spans(events: list[dict]) -> list[dict]:
 
 
 def _step_window(spans: list[dict], step: int) -> tuple[float, float] | None:
-    marks = [e for e in spans if e.get("name") == f"ProfilerStep#{step}"]
+    # the host's span (a GPU trace also has the step's `gpu_user_annotation`, later on the GPU)
+    marks = [e for e in spans if e.get("name") == f"ProfilerStep#{step}"
+             and e.get("cat") == "user_annotation"]  # fmt: skip
     if not marks:
         return None
     return min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
