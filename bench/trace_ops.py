@@ -19,11 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_perf.report.explain import read_trace  # noqa: E402
-
-
-def _spans(events: list[dict]) -> list[dict]:
-    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+from moe_perf.report.explain import TraceOp, nest_ops, read_trace  # noqa: E402
 
 
 def _step_window(spans: list[dict], step: int) -> tuple[float, float] | None:
@@ -35,64 +31,51 @@ def _step_window(spans: list[dict], step: int) -> tuple[float, float] | None:
     return min(e["ts"] for e in marks), max(e["ts"] + e["dur"] for e in marks)
 
 
-def _add(table: dict[str, list], label: str, event: dict) -> None:
-    slot = table.setdefault(label, [0, 0.0])
+def _add(table: dict[str, list], op: TraceOp) -> None:
+    slot = table.setdefault(f"{op.name} [{op.cat}]", [0, 0.0])
     slot[0] += 1
-    slot[1] += event["dur"] / 1000
+    slot[1] += (op.end - op.ts) / 1000
 
 
 def inside(trace: dict, pattern: str, step: int | None = None) -> list[dict]:
     """Each call of an op whose name holds `pattern` (in trace order), with what nests in it on
     its thread: {"name", "tid", "ts_ms", "ms", "nested": {name [category]: [count, ms]},
-    "runtime": {...}}. `nested` counts events at the outermost level below the call (they
-    add up to at most the call); `runtime` every CUDA runtime and driver call at any depth."""
-    spans = _spans(trace.get("traceEvents", []))
+    "runtime": {...}}. `nested` counts the events directly below the call (they add up to at
+    most the call); `runtime` every CUDA runtime and driver call at any depth. A match inside
+    another match is part of it."""
+    spans = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     window = None if step is None else _step_window(spans, step)
     if step is not None and window is None:
         raise SystemExit(f"trace_ops: no ProfilerStep#{step} span in the trace")
-    by_thread = defaultdict(list)
+    threads = defaultdict(list)
     for e in spans:
-        by_thread[(e.get("pid"), e.get("tid"))].append(e)
-    for events in by_thread.values():
-        events.sort(key=lambda e: (e["ts"], -e["dur"]))
+        threads[(e.get("pid"), e.get("tid"))].append(TraceOp(e))
     t0 = min((e["ts"] for e in spans), default=0.0)
-    calls = []
-    for key, events in by_thread.items():
-        i = 0
-        while i < len(events):
-            e = events[i]
-            matched = pattern in e.get("name", "") and e.get("cat") in ("cpu_op", "user_annotation")
-            if window and not (window[0] <= e["ts"] < window[1]):
-                matched = False
-            if not matched:
-                i += 1
+
+    def is_call(op: TraceOp) -> bool:
+        return (pattern in op.name and op.cat in ("cpu_op", "user_annotation")
+                and (window is None or window[0] <= op.ts < window[1]))  # fmt: skip
+
+    calls: dict[int, dict] = {}
+    for (_, tid), ops in threads.items():
+        nest_ops(ops)
+        for op in ops:
+            chain, up = [], op
+            while up is not None:
+                chain.append(up)
+                up = up.parent
+            outer = next((a for a in reversed(chain) if is_call(a)), None)  # outermost match
+            if outer is None:
                 continue
-            end = e["ts"] + e["dur"]
-            nested: dict[str, list] = {}
-            runtime: dict[str, list] = {}
-            covered_until = e["ts"]
-            j = i + 1
-            while j < len(events) and events[j]["ts"] < end:
-                c = events[j]
-                label = f"{c.get('name', '?')} [{c.get('cat', '?')}]"
-                if c["ts"] >= covered_until:  # outermost below the call
-                    _add(nested, label, c)
-                    covered_until = c["ts"] + c["dur"]
-                if c.get("cat") in ("cuda_runtime", "cuda_driver"):
-                    _add(runtime, label, c)
-                j += 1
-            calls.append(
-                {
-                    "name": e["name"],
-                    "tid": key[1],
-                    "ts_ms": (e["ts"] - t0) / 1000,
-                    "ms": e["dur"] / 1000,
-                    "nested": nested,
-                    "runtime": runtime,
-                }
-            )
-            i = j  # a match nested in this one is part of it
-    return sorted(calls, key=lambda c: c["ts_ms"])
+            call = calls.setdefault(id(outer), {
+                "name": outer.name, "tid": tid, "ts_ms": (outer.ts - t0) / 1000,
+                "ms": (outer.end - outer.ts) / 1000, "nested": {}, "runtime": {},
+            })  # fmt: skip
+            if op.parent is outer:
+                _add(call["nested"], op)
+            if op.cat in ("cuda_runtime", "cuda_driver"):
+                _add(call["runtime"], op)
+    return sorted(calls.values(), key=lambda c: c["ts_ms"])
 
 
 def main(argv: list[str] | None = None) -> int:

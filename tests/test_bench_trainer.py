@@ -123,13 +123,6 @@ def test_trace_ops_counts_cuda_calls_at_any_depth_and_children_once():
         ]
     }
     (call,) = trace_ops.inside(trace, "cudnn_attention")
-    # a step is the host's span, not the same step's annotation on the GPU (which runs later)
-    trace["traceEvents"] += [
-        ev("ProfilerStep#0", "user_annotation", 0, 1500),
-        ev("ProfilerStep#0", "gpu_user_annotation", 100, 5000),
-        ev("aten::_scaled_dot_product_cudnn_attention", "cpu_op", 3000, 10),  # step 1's
-    ]
-    assert [c["ts_ms"] for c in trace_ops.inside(trace, "cudnn_attention", step=0)] == [0.0]
     assert call["ms"] == pytest.approx(1.0)
     assert call["nested"] == {
         "aten::empty [cpu_op]": [1, pytest.approx(0.3)],
@@ -141,6 +134,13 @@ def test_trace_ops_counts_cuda_calls_at_any_depth_and_children_once():
         "cudaLaunchKernel [cuda_runtime]": [1, pytest.approx(0.005)],
         "cuModuleLoadData [cuda_driver]": [1, pytest.approx(0.4)],
     }
+    # a step is the host's span, not the same step's annotation on the GPU (which runs later)
+    trace["traceEvents"] += [
+        ev("ProfilerStep#0", "user_annotation", 0, 1500),
+        ev("ProfilerStep#0", "gpu_user_annotation", 100, 5000),
+        ev("aten::_scaled_dot_product_cudnn_attention", "cpu_op", 3000, 10),  # step 1's
+    ]
+    assert [c["ts_ms"] for c in trace_ops.inside(trace, "cudnn_attention", step=0)] == [0.0]
 
 
 def test_bench_dispatch_checks_both_dispatches_agree_and_times_them():

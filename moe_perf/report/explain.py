@@ -136,14 +136,17 @@ def categorize(chain: list[str], in_experts: bool = False) -> str:
 # ---- one trace -------------------------------------------------------------------------------
 
 
-class _Op:
-    __slots__ = ("name", "scope", "ts", "end", "args", "parent", "child_us")
+class TraceOp:
+    """One span of a trace's thread (an op, a record_function, a CUDA runtime call)."""
+
+    __slots__ = ("name", "cat", "scope", "ts", "end", "args", "parent", "child_us")
 
     def __init__(self, event: dict):
         self.name, self.args = event["name"], event.get("args") or {}
+        self.cat = event.get("cat")
         self.scope = event.get("cat") == "user_annotation"  # a record_function, not an op
         self.ts, self.end = float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0))
-        self.parent: _Op | None = None
+        self.parent: TraceOp | None = None
         self.child_us = 0.0
 
     def chain(self) -> list[str]:
@@ -154,9 +157,9 @@ class _Op:
         return names
 
 
-def _nest(ops: list[_Op]) -> None:
+def nest_ops(ops: list[TraceOp]) -> None:
     """Parent links by time nesting (ops of one thread)."""
-    stack: list[_Op] = []
+    stack: list[TraceOp] = []
     for op in sorted(ops, key=lambda o: (o.ts, -o.end)):
         while stack and stack[-1].end <= op.ts + _EPS_US:
             stack.pop()
@@ -177,7 +180,7 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
     return busy + ((cur_e - cur_s) if cur_e is not None else 0.0)
 
 
-def _expert_seqs(ops: list[_Op]) -> set:
+def _expert_seqs(ops: list[TraceOp]) -> set:
     """Autograd sequence numbers of the ops run inside the experts' scope (their backward
     nodes carry the same number)."""
     seqs = set()
@@ -188,7 +191,7 @@ def _expert_seqs(ops: list[_Op]) -> set:
     return seqs
 
 
-def _in_experts(op: _Op, seqs: set) -> bool:
+def _in_experts(op: TraceOp, seqs: set) -> bool:
     while op is not None:
         if op.name == EXPERT_SCOPE or op.args.get("Sequence number") in seqs:
             return True
@@ -215,7 +218,7 @@ class _Steps:
         self.names[f"{name[:120]} [{LABELS[key]}]"][i] += us / 1e3 / self.divide
 
 
-def _gpu_time(steps: _Steps, kernels: list[dict], ops: list[_Op], seqs: set) -> None:
+def _gpu_time(steps: _Steps, kernels: list[dict], ops: list[TraceOp], seqs: set) -> None:
     """Kernel time by the category of the kernel and its launching op's chain; the GPU's idle
     time inside each step window."""
     by_ext = {op.args.get("External id"): op for op in ops if op.args.get("External id")}
@@ -235,7 +238,7 @@ def _gpu_time(steps: _Steps, kernels: list[dict], ops: list[_Op], seqs: set) -> 
         steps.add(i, "host_idle", "GPU idle in the step", max(0.0, (e - s) - _union_us(clipped)))
 
 
-def _cpu_time(steps: _Steps, ops: list[_Op], seqs: set, markers: bool) -> None:
+def _cpu_time(steps: _Steps, ops: list[TraceOp], seqs: set, markers: bool) -> None:
     """Self time of the training thread's ops by category; a step marker's or a scope's own
     time (Python between ops) is host time."""
     for op in ops:
@@ -267,9 +270,9 @@ def trace_breakdown(trace: dict | list, steps: int | None = None) -> dict:
         if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATS:
             kernels.append(e)
         elif e.get("ph") == "X" and e.get("cat") in _OP_CATS:
-            threads[(e.get("pid"), e.get("tid"))].append(_Op(e))
+            threads[(e.get("pid"), e.get("tid"))].append(TraceOp(e))
     for ops in threads.values():
-        _nest(ops)
+        nest_ops(ops)
     all_ops = [op for ops in threads.values() for op in ops]
     markers = sorted((op for op in all_ops if _STEP.match(op.name)), key=lambda o: o.ts)
     # the training thread: the one holding the step markers, else the busiest
