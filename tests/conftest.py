@@ -89,6 +89,8 @@ SMALL_RUN = [
     "training.max_steps=6",
     "wandb.mode=disabled",
     "timeout_s=120",
+    # one base/feat pair, as the seed ran it; the verdict's own tests add pairs (repeat=auto)
+    "compare.max_pairs=1",
 ]
 
 

@@ -1,10 +1,11 @@
 """Compare the arms of a sweep: load the records, group them by (model, tag), the differences.
 
-It measures; it does not judge: no pass/fail, no thresholds on the difference. Honest
-measurement, as pyperf does it: the first step (warm-up, compilation) is dropped, a run is
-summarized by its medians, steps are never pooled across runs (with repeats an arm is the
-median of its run medians, with the min-max spread of those), and a run whose step times
-spread widely is called unstable in plain words.
+It measures; it does not gate: no pass/fail. Honest measurement, as pyperf does it: the
+first step (warm-up, compilation) is dropped, a run is summarized by its medians, steps are
+never pooled across runs (with repeats an arm is the median of its run medians, with the
+min-max spread of those), and a run whose step times spread widely is called unstable in
+plain words. The verdict (SAME, DIFFERENT or UNKNOWN with a confidence interval) comes from
+the run medians of base/feat pairs, by moe_perf/stats/verdict.py under the sweep's plan.
 
 The one summary rule, `summarize(steps)`, lives in records.py (metrics.json): a run read from
 a console log here is summarized exactly as the runner summarizes an arm.
@@ -23,9 +24,11 @@ from moe_perf.report.record import ARMS, load_record, measured_steps, summarize
 from moe_perf.report.record import SCHEMA as ARM_SCHEMA
 from moe_perf.report.record import config_differences as _differences
 from moe_perf.report.render import render, write_outputs
-from moe_perf.report.sweep import current_sweep_id
+from moe_perf.report.sweep import current_sweep_id, load_plan
+from moe_perf.stats.verdict import Plan, decide, decide_memory
 
-SCHEMA = "moe_perf.comparison/1"
+SCHEMA = "moe_perf.comparison/2"  # /2: each group's `verdict` and `plan`
+READABLE_SCHEMAS = ("moe_perf.comparison/1", SCHEMA)
 METRICS = tuple(m for m in STEP_METRICS if m != "loss")  # compared between arms
 # A run is called unstable when its step times (first step dropped) span more than this
 # fraction of their median. Plain max-min rather than a standard deviation: with 7 steps one
@@ -218,7 +221,67 @@ def _difference(base: dict, feat: dict, key: str) -> dict | None:
     return {"pct": pct, "words": words, "within_spread": within}
 
 
-def compare_group(model: str, tag: str, records: list[dict]) -> dict:
+# ---- the verdict -----------------------------------------------------------------------------
+
+
+def paired_runs(runs: list[dict]) -> list[tuple[dict, dict]]:
+    """(base, feat) run entries of one repeat index, both ok, in repeat order: the pairs."""
+    by_repeat: dict = {}
+    for run in runs:
+        if run["status"] == "ok":
+            by_repeat.setdefault(int(run["repeat"] or 0), {})[run["arm"]] = run
+    return [(p["base"], p["feat"]) for _, p in sorted(by_repeat.items()) if len(p) == 2]
+
+
+def _medians(pairs: list[tuple[dict, dict]], key: str) -> tuple[list[float], list[float]]:
+    usable = [(b["summary"].get(key), f["summary"].get(key)) for b, f in pairs]
+    usable = [(b, f) for b, f in usable if _trusted(b) and _trusted(f)]
+    return [b for b, _ in usable], [f for _, f in usable]
+
+
+def _trusted(value) -> bool:
+    return isinstance(value, (int, float)) and value == value and 0 < value < float("inf")
+
+
+def group_plan(records: list[dict], plan: Plan | None, pairs: int) -> Plan:
+    """The sweep's plan; without one (logs, sweeps of older versions) one look at the end at
+    the records' own `compare` settings."""
+    if plan is not None:
+        return plan
+    compare = next((r["config"]["compare"] for r in records
+                    if isinstance((r.get("config") or {}).get("compare"), dict)), {})  # fmt: skip
+    return Plan(effect=float(compare.get("effect", Plan.effect)),
+                confidence=float(compare.get("confidence", Plan.confidence)),
+                max_pairs=max(pairs, 1), sequential=False)  # fmt: skip
+
+
+def memory_tolerance(records: list[dict]) -> float:
+    for record in records:
+        compare = (record.get("config") or {}).get("compare")
+        if isinstance(compare, dict) and compare.get("memory_tolerance") is not None:
+            return float(compare["memory_tolerance"])
+    return DEFAULT_MEMORY_TOLERANCE
+
+
+DEFAULT_MEMORY_TOLERANCE = 0.01  # conf/config.yaml's compare.memory_tolerance
+
+
+def verdicts(runs: list[dict], plan: Plan, tolerance: float) -> dict:
+    """The verdict per metric: step time and tokens/s by the plan's interval, peak memory by
+    its tolerance. Metrics no pair reported are left out."""
+    pairs = paired_runs(runs)
+    found = {}
+    for key in ("step_time_s", "tokens_per_s"):
+        base, feat = _medians(pairs, key)
+        if base:
+            found[key] = decide(base, feat, plan).to_dict()
+    base, feat = _medians(pairs, "peak_mem_gib")
+    if base:
+        found["peak_mem_gib"] = decide_memory(base, feat, tolerance).to_dict()
+    return found
+
+
+def compare_group(model: str, tag: str, records: list[dict], plan: Plan | None = None) -> dict:
     runs = sorted(
         (_run_entry(r) for r in records),
         key=lambda r: (_arm_rank(r["arm"]), r["repeat"] or 0),
@@ -245,6 +308,10 @@ def compare_group(model: str, tag: str, records: list[dict]) -> dict:
     else:
         group["status"] = "compared"
         group["difference"] = {k: _difference(base, feat, k) for k in METRICS}
+        used = group_plan(records, plan, len(paired_runs(runs)))
+        group["plan"] = {**used.__dict__, "memory_tolerance": memory_tolerance(records)}
+        group["pairs"] = len(paired_runs(runs))
+        group["verdict"] = verdicts(runs, used, group["plan"]["memory_tolerance"])
     section = explain.explain_group(records)  # None unless explain=true or traces exist
     if section is not None:
         group["explain"] = section
@@ -255,8 +322,10 @@ def _arm_rank(arm: str | None) -> int:
     return ARMS.index(arm) if arm in ARMS else len(ARMS)
 
 
-def compare_records(records: list[dict], notes: list[str] | None = None, **where) -> dict:
-    """The comparison report (schema moe_perf.comparison/1) of arm records, per (model, tag)."""
+def compare_records(records: list[dict], notes: list[str] | None = None,
+                    plan: Plan | None = None, **where) -> dict:  # fmt: skip
+    """The comparison report (schema moe_perf.comparison/2) of arm records, per (model, tag),
+    each decided under `plan` (the sweep's; None: one look at the end)."""
     groups: dict = {}
     for record in records:
         groups.setdefault((record.get("model", "-"), record.get("tag", "-")), []).append(record)
@@ -268,7 +337,7 @@ def compare_records(records: list[dict], notes: list[str] | None = None, **where
         "sweep_id": sweep_ids[0] if len(sweep_ids) == 1 else (sweep_ids or None),
         "unstable_spread": UNSTABLE_SPREAD,
         "notes": list(notes or []),
-        "groups": [compare_group(m, t, rs) for (m, t), rs in sorted(groups.items())],
+        "groups": [compare_group(m, t, rs, plan) for (m, t), rs in sorted(groups.items())],
     }
 
 
@@ -279,8 +348,21 @@ def compare_sweep(sweep_dir: Path | str, write: bool = True) -> tuple[dict, str]
     """(report, text) for a sweep directory; writes the comparison files there if `write`."""
     sweep_dir = Path(sweep_dir).resolve()
     records, notes = load_sweep(sweep_dir)
-    report = compare_records(records, notes, sweep_dir=str(sweep_dir))
+    saved = load_plan(sweep_dir)
+    plan = Plan(**saved["plan"]) if saved else None
+    report = compare_records(records, notes, plan, sweep_dir=str(sweep_dir))
     if write:
         explain.write_plot(report, sweep_dir)  # explain.png, named in each group's section
         write_outputs(report, sweep_dir)
     return report, render(report)
+
+
+def read_comparison(path: Path | str) -> dict:
+    """A comparison.json of this or an older schema; /1 reports have no verdict (None)."""
+    report = json.loads(Path(path).read_text())
+    if report.get("schema") not in READABLE_SCHEMAS:
+        raise ValueError(f"{path}: schema {report.get('schema')!r} is not one of "
+                         f"{', '.join(READABLE_SCHEMAS)}")  # fmt: skip
+    for group in report.get("groups", []):
+        group.setdefault("verdict", None)
+    return report

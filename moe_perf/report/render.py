@@ -9,6 +9,7 @@ from pathlib import Path
 
 from moe_perf.report import explain
 from moe_perf.report.record import ARMS, strict_json
+from moe_perf.stats.verdict import Verdict, describe
 
 # ---- rendering -------------------------------------------------------------------------------
 
@@ -56,24 +57,36 @@ def _table(group: dict) -> list[str]:
     return ["| " + " | ".join(row) + " |" for row in rows]
 
 
-def _step_time_sentence(group: dict) -> str | None:
-    d = group["difference"].get("step_time_s")
-    if not d:
+# metric, its name, the words for feat's value above / below base's
+_VERDICT_METRICS = (
+    ("step_time_s", "Step time", "slower", "faster"),
+    ("tokens_per_s", "Tokens/s", "faster", "slower"),
+    ("peak_mem_gib", "Peak memory", "more memory", "less memory"),
+)
+
+
+def verdict_sentence(group: dict, key: str = "step_time_s") -> str | None:
+    """The group's verdict on one metric in one sentence, or None when it has none."""
+    found = (group.get("verdict") or {}).get(key)
+    if not found:
         return None
-    n_base, n_feat = group["arms"]["base"]["runs_ok"], group["arms"]["feat"]["runs_ok"]
-    how = f"{abs(d['pct']):.2f}% {d['words']}" if d["words"] != "same" else "the same speed"
-    text = f"Step time: feat is {how} than base" if d["words"] != "same" else f"Step time: {how}"
-    if n_base == 1 and n_feat == 1:
-        return (
-            text + " (one run per arm, first step dropped). The run-to-run spread is unknown "
-            "with one run per arm: repeat the arms (e.g. -m repeat=0,1,2 arm=base,feat) to see it."
-        )
-    text += f" (median of {n_base} base and {n_feat} feat run medians, first step dropped). "
-    if d["within_spread"]:
-        return text + "The difference is within the run-to-run spread (the min-max ranges overlap)."
-    if d["within_spread"] is False:
-        return text + "The min-max ranges of the runs do not overlap."
-    return text + "One arm has a single run, so its run-to-run spread is unknown."
+    _, _, more, less = next(m for m in _VERDICT_METRICS if m[0] == key)
+    return describe(Verdict.from_dict(found), more, less)
+
+
+def _verdict_lines(group: dict) -> list[str]:
+    plan = group.get("plan")
+    if not group.get("verdict") or not plan:
+        return []
+    how = "pairs added until decided" if plan["sequential"] else "fixed repeats, one look"
+    lines = [f"Verdict from {group['pairs']} base/feat pair(s) of run medians (effect "
+             f"{plan['effect']:.1%}, confidence {plan['confidence']:.0%}, {how}; "
+             f"peak memory within {plan['memory_tolerance']:.1%} is the same):", ""]  # fmt: skip
+    for key, name, _, _ in _VERDICT_METRICS:
+        sentence = verdict_sentence(group, key)
+        if sentence:
+            lines.append(f"- **{name}**: {sentence}")
+    return lines
 
 
 def _group_lines(group: dict) -> list[str]:
@@ -90,9 +103,9 @@ def _group_lines(group: dict) -> list[str]:
     lines += _table(group) + [""]
     lines += [f"Note: {note}." for note in group["environment_differences"]]
     lines += [""] if group["environment_differences"] else []
-    sentence = _step_time_sentence(group)
-    if sentence:
-        lines += [sentence, ""]
+    verdict_lines = _verdict_lines(group)
+    if verdict_lines:
+        lines += verdict_lines + [""]
     if group["status"] == "incomplete":
         missing = [a for a in ARMS if not group["arms"].get(a, {}).get("runs_ok")]
         lines += [f"No difference computed: no successful run of {', '.join(missing)}.", ""]
@@ -140,22 +153,18 @@ def _verdict_words(group: dict) -> str:
     if group["status"] == "incomplete":
         missing = [a for a in ARMS if not group["arms"].get(a, {}).get("runs_ok")]
         return f"not compared, no successful run of {', '.join(missing)}{tail}"
+    sentence = verdict_sentence(group)
+    if sentence:
+        return f"step time {sentence}{tail}"
     d = group["difference"].get("step_time_s")
     if not d:
         return f"no step times to compare{tail}"
-    text = f"feat is {_how_much(d)} base"
-    if d["within_spread"] is True:
-        text += ", within the run-to-run spread"
-    elif d["within_spread"] is False:
-        text += ", outside the run-to-run spread"
-    else:
-        text += " (one run per arm: the run-to-run spread is unknown)"
-    return text + tail
+    return f"feat is {_how_much(d)} base (no base/feat pair to decide from){tail}"
 
 
 def verdict(group: dict) -> str:
-    """One line per (model, tag): `tiny pp1-...: feat is 2.96% slower than base, outside the
-    run-to-run spread` (step time; the spread is the min-max of the run medians)."""
+    """One line per (model, tag): `tiny pp1-...: step time 2.1% slower (95% CI ...): DIFFERENT`
+    (the verdict's sentence, moe_perf/stats/verdict.py)."""
     text = f"{group['model']} {group['tag']}: {_verdict_words(group)}"
     if group["aa"]:
         text += "; A/A run (one commit), so any difference is noise"

@@ -88,3 +88,25 @@ def find_sweep(sweep_dir: Path, sweep_id: str) -> Path:
     known = ", ".join(([current_sweep_id(sweep_dir)] if current_sweep_id(sweep_dir) else [])
                       + earlier) or "none"  # fmt: skip
     raise ValueError(f"no sweep {sweep_id} in {sweep_dir} (sweeps there: {known})")
+
+
+# ---- the verdict's plan: how the sweep looked at its pairs -------------------------------------
+
+PLAN_FILE = "plan.json"
+
+
+def save_plan(sweep_dir: Path, data: dict) -> None:
+    """`<sweep dir>/.moe_perf/plan.json`: the decision plan and each cell's pairs so far, so the
+    comparison at the end computes the verdict exactly as the sweep did while it ran."""
+    path = Path(sweep_dir) / STATE_DIR / PLAN_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_record(path, data)
+
+
+def load_plan(sweep_dir: Path) -> dict | None:
+    """The sweep's plan (`save_plan`), or None for a sweep that wrote none."""
+    try:
+        data = json.loads((Path(sweep_dir) / STATE_DIR / PLAN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("plan"), dict) else None

@@ -24,29 +24,30 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.runner import preflight, presets
+from moe_perf.runner import pairs, preflight, presets
 from moe_perf.runner.arm import run_arm
 from moe_perf.runner.job import Job, say
 from moe_perf.runner.session import SweepSession
 
 
-def register_hydra_launcher() -> None:
-    """Make `hydra/launcher=moe_perf_slurm`'s class known to Hydra, however moe_perf is installed.
+def register_hydra_plugins() -> None:
+    """Make moe_perf's sweeper and `hydra/launcher=moe_perf_slurm`'s class known to Hydra,
+    however moe_perf is installed.
 
-    Hydra 1.3 finds launchers by walking the `hydra_plugins` namespace on disk, which misses
+    Hydra 1.3 finds plugins by walking the `hydra_plugins` namespace on disk, which misses
     packages of a PEP 660 editable install (`pip install -e .`, setuptools >= 64; Hydra issue
-    2359); it offers `Plugins.register` for this. Nothing happens without the `slurm` extra.
+    2359); it offers `Plugins.register` for this. The launcher needs the `slurm` extra.
     """
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.moe_perf_sweeper.pairs_sweeper import PairsSweeper
+
+    Plugins.instance().register(PairsSweeper)
     try:
         from hydra_plugins.moe_perf_launcher.sequential_slurm import SequentialSlurmLauncher
     except ImportError:  # no hydra-submitit-launcher: hydra/launcher=moe_perf_slurm can't compose
         return
-    from hydra.core.plugins import Plugins
-
     Plugins.instance().register(SequentialSlurmLauncher)
-
-
-register_hydra_launcher()
 
 SESSION = SweepSession()  # one command, one session: its locks and the sweep its jobs join
 
@@ -67,26 +68,50 @@ def current_job() -> Job:
         config_name=str(hc.job.config_name),
         overrides=list(hc.overrides.task),
     )
-    if not job.multirun:
-        job.total = 1
-    else:
-        job.total = len(sweep_job_overrides(job) or []) or None
+    job.total = sweep_total(job) if job.multirun else 1
     return job
 
 
-def sweep_job_overrides(job: Job, multirun: DictConfig | None = None) -> list[list[str]] | None:
-    """Every job's overrides, in the basic sweeper's order: the cartesian product of the swept
-    values, the first override varying slowest. None when another sweeper runs the sweep.
-    `multirun`: the sweep's config (before Hydra writes it to multirun.yaml)."""
+def sweep_arguments(job: Job, multirun: DictConfig | None) -> tuple[str, list[str]] | None:
+    """(the sweeper's class, the sweep's arguments: `hydra.sweeper.params` then the command
+    line's overrides). `multirun`: the sweep's config (before Hydra writes multirun.yaml)."""
     if multirun is None:
         try:
             multirun = OmegaConf.load(job.sweep_dir / "multirun.yaml")
         except OSError:
             return None
-    if "BasicSweeper" not in str(OmegaConf.select(multirun, "hydra.sweeper._target_")):
-        return None
     params = OmegaConf.select(multirun, "hydra.sweeper.params") or {}
     arguments = [f"{k}={v}" for k, v in params.items()] + list(multirun.hydra.overrides.task)
+    return str(OmegaConf.select(multirun, "hydra.sweeper._target_")), arguments
+
+
+def sweep_total(job: Job) -> int | None:
+    """How many arms the sweep runs, when that is known before it runs (not for repeat=auto)."""
+    found = sweep_arguments(job, None)
+    if found is None or not found[0].endswith("PairsSweeper"):
+        return len(sweep_job_overrides(job) or []) or None
+    try:
+        plan = pairs.plan_of(found[1])
+    except ValueError:
+        return None
+    return None if plan.auto else sum(len(batch) for batch in pairs.fixed_batches(plan))
+
+
+def sweep_job_overrides(job: Job, multirun: DictConfig | None = None) -> list[list[str]] | None:
+    """Every distinct job's overrides: moe_perf's sweeper's one job per cell and arm
+    (pairs.distinct_jobs), or the basic sweeper's cartesian product of the swept values, the
+    first override varying slowest. None when another sweeper runs the sweep."""
+    found = sweep_arguments(job, multirun)
+    if found is None:
+        return None
+    sweeper, arguments = found
+    if sweeper.endswith("PairsSweeper"):
+        try:
+            return pairs.distinct_jobs(pairs.plan_of(arguments))
+        except ValueError as err:
+            raise PrerequisiteError(str(err)) from None
+    if "BasicSweeper" not in sweeper:
+        return None
     choices = []
     for override in OverridesParser.create().parse_overrides(arguments):
         key = override.get_key_element()
@@ -162,6 +187,7 @@ def main() -> None:
     if sys.argv[1:] == ["list"]:
         print(presets.listing(config_dir()), end="")
         return
+    register_hydra_plugins()
     sys.argv[1:] = flags_first(sys.argv[1:])
     try:
         hydra_main()

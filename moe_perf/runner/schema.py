@@ -64,6 +64,18 @@ class WandbConfig:
     entity: Optional[str] = None  # noqa: UP045
 
 
+@dataclass
+class CompareConfig:
+    """The verdict's knobs (moe_perf/stats/verdict.py, docs/verdict.md)."""
+
+    effect: float = knob(0.01, above=0, max=1)
+    confidence: float = knob(0.95, min=0.5, max=0.9999,
+                             why="an interval of confidence 1 never decides")  # fmt: skip
+    max_pairs: int = knob(6, min=1, max=100)
+    max_minutes: Optional[float] = knob(None, above=0)  # noqa: UP045
+    memory_tolerance: float = knob(0.01, min=0, max=1)
+
+
 # --- trainer options: what the runner's adapter reads (moe_perf/frameworks/) -----------------
 
 
@@ -158,6 +170,7 @@ class MoePerfConfig:
     repo: str = "."
     refs: RefsConfig = field(default_factory=RefsConfig)
     repeat: int = knob(0, min=0)
+    compare: CompareConfig = field(default_factory=CompareConfig)
     timeout_s: float = knob(1800.0, above=0)
     dry_run: bool = False
     explain: bool = False
