@@ -55,13 +55,26 @@ class PairsSweeper(Sweeper):
         except ValueError as err:
             say(f"cannot run: {err}", sys.stderr)
             raise SystemExit(2) from None
+        compare = self.config.compare
+        plan = plan_for(sweep_plan, compare)
+        if self.config.get("dry_run"):
+            return self.dry_run(sweep_plan, plan)
         sweep_dir = sweep_dir_of(self.config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
-        compare = self.config.compare
-        plan = plan_for(sweep_plan, compare)
-        pairs.PairSweep(sweep_plan, plan, self.launch, say, sweep_dir,
-                        max_minutes=compare.get("max_minutes")).run()  # fmt: skip
+        max_minutes = compare.get("max_minutes")
+        pairs.PairSweep(sweep_plan, plan, self.launch, say, sweep_dir, max_minutes).run()
+        return self.returns
+
+    def dry_run(self, sweep_plan: pairs.SweepPlan, plan) -> Any:
+        """Each distinct arm once (what it would run), writing nothing; then what the sweep
+        would repeat."""
+        # one pair per cell: pair 0 of an auto sweep, or the first of fixed repeats
+        first = None if sweep_plan.auto else (sweep_plan.repeats or (0,))[:1]
+        once = pairs.SweepPlan(sweep_plan.cells, sweep_plan.arms, first)
+        for batch in pairs.fixed_batches(once):
+            self.launch(batch)
+        say(pairs.dry_run_note(sweep_plan, plan))
         return self.returns
 
     def launch(self, batch: list[list[str]]) -> list[Path | None]:

@@ -24,7 +24,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.runner import pairs, preflight, presets
+from moe_perf.runner import bisect, pairs, preflight, presets
 from moe_perf.runner.arm import run_arm
 from moe_perf.runner.job import Job, say
 from moe_perf.runner.session import SweepSession
@@ -48,6 +48,7 @@ def register_hydra_plugins() -> None:
     except ImportError:  # no hydra-submitit-launcher: hydra/launcher=moe_perf_slurm can't compose
         return
     Plugins.instance().register(SequentialSlurmLauncher)
+
 
 SESSION = SweepSession()  # one command, one session: its locks and the sweep its jobs join
 
@@ -187,6 +188,8 @@ def main() -> None:
     if sys.argv[1:] == ["list"]:
         print(presets.listing(config_dir()), end="")
         return
+    if sys.argv[1:2] == ["bisect"]:
+        sys.exit(bisect.main(sys.argv[2:]))
     register_hydra_plugins()
     sys.argv[1:] = flags_first(sys.argv[1:])
     try:

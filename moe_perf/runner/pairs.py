@@ -202,6 +202,20 @@ def progress_line(cell: Cell, plan: Plan, sequential: bool, stopping: str | None
     return f"{head}: {said}; running pair {len(cell.pairs) + 1} (at most {plan.max_pairs})"
 
 
+def dry_run_note(sweep_plan: SweepPlan, plan: Plan) -> str:
+    cells = len(sweep_plan.cells)
+    if not sweep_plan.pairs:
+        return f"dry run: {cells} cell(s), one arm each, nothing to decide"
+    if sweep_plan.auto:
+        return (
+            f"dry run: {cells} cell(s); each runs base/feat pairs in ABBA order until its "
+            f"step-time verdict is decided, at most compare.max_pairs={plan.max_pairs} "
+            f"pairs; each pair runs the two commands above (repeat=<k> from pair 2 on)"
+        )
+    return (f"dry run: {cells} cell(s) x {len(sweep_plan.repeats or ())} fixed pair(s) in ABBA "
+            f"order, decided once at the end")  # fmt: skip
+
+
 def save_plan(sweep_dir: Path, plan: Plan, sweep_plan: SweepPlan, cells: Iterable[Cell]) -> None:
     """The plan the comparison reads back (report/sweep.py): the verdict at the end is
     computed exactly as the sweep computed it while running."""
@@ -265,8 +279,11 @@ class PairSweep:
         arms = pair_order(index)
         dirs = self.launch([job_overrides(self.sweep_plan, cell.overrides, a, repeat)
                             for a in arms])  # fmt: skip
-        add_pair(cell, {a: read_record(d) if d else None for a, d in zip(arms, dirs, strict=True)},
-                 self.plan)
+        add_pair(
+            cell,
+            {a: read_record(d) if d else None for a, d in zip(arms, dirs, strict=True)},
+            self.plan,
+        )
         save_plan(self.sweep_dir, self.plan, self.sweep_plan, self.cells)
 
     def _fixed_pairs(self) -> None:

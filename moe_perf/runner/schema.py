@@ -68,7 +68,7 @@ class WandbConfig:
 class CompareConfig:
     """The verdict's knobs (moe_perf/stats/verdict.py, docs/verdict.md)."""
 
-    effect: float = knob(0.01, above=0, max=1)
+    effect: float = knob(0.01, above=0)
     confidence: float = knob(0.95, min=0.5, max=0.9999,
                              why="an interval of confidence 1 never decides")  # fmt: skip
     max_pairs: int = knob(6, min=1, max=100)
