@@ -1,0 +1,169 @@
+"""The verdict in real sweeps: the real command with moe_perf's pairs sweeper, in temporary git
+repositories, with a stand-in trainer whose runs sit at seeded offsets (tests/helpers/
+seeded_trainer.py): the words, the pairs and the order the sweep takes must be those the
+decision rule gives the same run medians computed in-process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+from conftest import commit, git, make_repo, moe_perf, sweep_dir
+
+from moe_perf.stats.verdict import Plan, decide, keep_adding
+
+HELPER = Path(__file__).parent / "helpers" / "seeded_trainer.py"
+spec = importlib.util.spec_from_file_location("seeded_trainer", HELPER)
+seeded = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(seeded)
+
+RUN = [
+    "trainer.command=[-m,mytrainer]",
+    "trainer.code_path=mytrainer",
+    "training.sequence_length=64",
+    "training.global_batch=4",
+    "training.max_steps=4",
+    "wandb.mode=disabled",
+    "timeout_s=120",
+]
+SEED = 1234  # conf/config.yaml's training.seed
+
+pytestmark = pytest.mark.slow
+
+
+def knobs(effects: dict | None = None, sleep_s: float = 0.0) -> str:
+    return json.dumps({"effects": effects or {}, "sleep_s": sleep_s})
+
+
+def seeded_repo(path: Path, feat_effects: dict | None = None, sleep_s: float = 0.0) -> Path:
+    """`main` with the seeded trainer (no effect); `feature` (checked out) with `feat_effects`."""
+    make_repo(path, {"mytrainer/__main__.py": HELPER.read_text(),
+                     "mytrainer/knobs.json": knobs(sleep_s=sleep_s),
+                     ".gitignore": "__pycache__/\n"})  # fmt: skip
+    git(path, "checkout", "-q", "-b", "feature")
+    if feat_effects:
+        commit(path, {"mytrainer/knobs.json": knobs(feat_effects, sleep_s)}, "feature")
+    return path
+
+
+def expected(effect: float, plan: Plan, seed: int = SEED) -> tuple[str, int]:
+    """(word, pairs) the rule reaches on the seeded run medians, adding pairs as the sweep does."""
+    base, feat = [], []
+    for k in range(plan.max_pairs):
+        base.append(seeded.run_median(seed, "base", k, 0.0))
+        feat.append(seeded.run_median(seed, "feat", k, effect))
+        verdict = decide(base, feat, plan)
+        if not keep_adding(verdict, plan):
+            break
+    return verdict.word, verdict.pairs
+
+
+def groups(repo: Path) -> dict:
+    report = json.loads((sweep_dir(repo) / "comparison.json").read_text())
+    return {g["tag"]: g for g in report["groups"]}
+
+
+def run_order(repo: Path) -> list[str]:
+    """Each arm directory's `<arm>` in the order the arms started."""
+    records = [json.loads(p.read_text()) for p in sweep_dir(repo).rglob("metrics.json")]
+    return [r["arm"] for r in sorted(records, key=lambda r: r["started"])]
+
+
+def test_pairs_until_decided_reach_the_rules_words(tmp_path):
+    repo = seeded_repo(tmp_path / "repo", {1: 0.05})
+    result = moe_perf(repo, *RUN, "compare.max_pairs=4", "-m", "arm=base,feat")
+    assert result.returncode == 0, result.stderr
+    (group,) = groups(repo).values()
+    verdict = group["verdict"]["step_time_s"]
+    word, pairs = expected(0.05, Plan(max_pairs=4, sequential=True))
+    assert (verdict["word"], verdict["pairs"]) == (word, pairs)
+    assert word == "DIFFERENT"
+    assert group["plan"]["sequential"] is True and group["pairs"] == pairs
+    # one progress line per pair, then the end-of-sweep line says the same word
+    assert len(re.findall(r"after pair \d+", result.stdout)) == pairs
+    assert re.search(rf"tiny \S+: step time .*{word}", result.stdout)
+
+
+def test_an_aa_sweep_in_abba_order_reaches_the_rules_word(tmp_path):
+    repo = seeded_repo(tmp_path / "repo")
+    result = moe_perf(repo, *RUN, "refs.feat=main", "compare.max_pairs=6", "-m", "arm=base,feat")
+    assert result.returncode == 0, result.stderr
+    (group,) = groups(repo).values()
+    verdict = group["verdict"]["step_time_s"]
+    word, pairs = expected(0.0, Plan(max_pairs=6, sequential=True))
+    assert (verdict["word"], verdict["pairs"]) == (word, pairs)
+    order = run_order(repo)
+    assert order == [a for k in range(pairs) for a in (("base", "feat"), ("feat", "base"))[k % 2]]
+    # pair 0 keeps the seed's directory names; later pairs carry their index
+    names = sorted(p.parent.name for p in sweep_dir(repo).rglob("metrics.json"))
+    assert names[0].endswith("-base") and any(n.endswith("-feat-r1") for n in names)
+
+
+def test_each_mesh_is_decided_on_its_own(tmp_path):
+    # feat is 20% slower on one process and 0.6% on two: the first cell is decided and gets no
+    # more pairs while the second, near the 1% effect, goes on
+    repo = seeded_repo(tmp_path / "repo", {1: 0.2, 2: 0.006})
+    result = moe_perf(repo, *RUN, "compare.max_pairs=4", "-m", "mesh=single,ep2",
+                      "arm=base,feat", timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    found = groups(repo)
+    single = next(g for t, g in found.items() if t.startswith("pp1-dp1-"))
+    ep2 = next(g for t, g in found.items() if t.startswith("pp1-dp2-"))
+    plan = Plan(max_pairs=4, sequential=True)
+    assert single["verdict"]["step_time_s"]["word"] == expected(0.2, plan)[0] == "DIFFERENT"
+    assert single["pairs"] == expected(0.2, plan)[1]
+    assert ep2["verdict"]["step_time_s"]["word"] == expected(0.006, plan)[0]
+    assert ep2["pairs"] == expected(0.006, plan)[1] > single["pairs"]
+
+
+def test_fixed_repeats_run_every_pair_and_decide_once(tmp_path):
+    repo = seeded_repo(tmp_path / "repo", {1: 0.05})
+    result = moe_perf(repo, *RUN, "-m", "repeat=0,1,2", "arm=base,feat")
+    assert result.returncode == 0, result.stderr
+    (group,) = groups(repo).values()
+    assert group["pairs"] == 3 and group["plan"]["sequential"] is False
+    assert run_order(repo) == ["base", "feat", "feat", "base", "base", "feat"]
+    base = [seeded.run_median(SEED, "base", k, 0.0) for k in range(3)]
+    feat = [seeded.run_median(SEED, "feat", k, 0.05) for k in range(3)]
+    want = decide(base, feat, Plan(max_pairs=3, sequential=False))
+    assert group["verdict"]["step_time_s"]["word"] == want.word
+    assert group["verdict"]["step_time_s"]["low"] == pytest.approx(want.low)
+
+
+def test_one_pair_cannot_decide_and_says_why(tmp_path):
+    repo = seeded_repo(tmp_path / "repo", {1: 0.05})
+    result = moe_perf(repo, *RUN, "compare.max_pairs=1", "-m", "arm=base,feat")
+    assert result.returncode == 0, result.stderr
+    (group,) = groups(repo).values()
+    verdict = group["verdict"]["step_time_s"]
+    assert (verdict["word"], verdict["pairs"]) == ("UNKNOWN", 1)
+    assert verdict["reason"] and verdict["reason"] in result.stdout
+    assert sorted(run_order(repo)) == ["base", "feat"]
+
+
+def test_the_time_limit_stops_adding_pairs(tmp_path):
+    # each arm takes more than a second (4 steps of 0.3 s); the limit is 0.6 s: one pair only
+    repo = seeded_repo(tmp_path / "repo", sleep_s=0.3)
+    result = moe_perf(repo, *RUN, "refs.feat=main", "compare.max_minutes=0.01",
+                      "-m", "arm=base,feat")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (group,) = groups(repo).values()
+    assert group["pairs"] == 1
+    assert "stopped: compare.max_minutes=0.01 spent" in result.stdout
+
+
+def test_bad_verdict_settings_are_refused_before_anything_runs(tmp_path):
+    repo = seeded_repo(tmp_path / "repo")
+    for override, key in (("compare.confidence=1", "compare.confidence"),
+                          ("compare.max_pairs=0", "compare.max_pairs"),
+                          ("compare.effect=-0.01", "compare.effect")):  # fmt: skip
+        result = moe_perf(repo, *RUN, override, "-m", "arm=base,feat")
+        assert result.returncode == 2, (override, result.stdout, result.stderr)
+        assert f"change {key}" in result.stderr
+        assert not list(sweep_dir(repo).rglob("metrics.json"))
+    result = moe_perf(repo, *RUN, "-m", "repeat=auto,1", "arm=base,feat")
+    assert result.returncode == 2 and "repeat" in result.stderr
