@@ -1,0 +1,90 @@
+"""Bisect: the real `python -m moe_perf bisect GOOD BAD` over a repository of 8 commits whose
+5th makes every step slower, each probe a real sweep with pairs until decided."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_RUN, SMALL_TRAINER, commit, git, make_repo, moe_perf, trainer_variant
+
+from moe_perf.runner.bisect import BisectError, next_probe, parse_args
+
+SLOW = 0.02  # seconds added to each step of the small trainer (about 2 ms): a 10x regression
+RUN = [o for o in SMALL_RUN if not o.startswith("compare.max_pairs")]
+
+
+def history(path: Path, broken: int | None = None) -> list[str]:
+    """Commits 1..8 (1 is GOOD, 8 is BAD); from commit 5 on every step sleeps SLOW more;
+    commit `broken` crashes after its second step."""
+    make_repo(path, {"mytrainer/__main__.py": SMALL_TRAINER, ".gitignore": "__pycache__/\n"})
+    shas = [git(path, "rev-parse", "HEAD")]
+    for i in range(2, 9):
+        sleep = SLOW if i >= 5 else 0.0
+        trainer = trainer_variant(sleep, exit_after_step=2 if i == broken else None)
+        shas.append(commit(path, {"mytrainer/__main__.py": trainer, f"notes/{i}.txt": "x"},
+                           f"commit {i}"))  # fmt: skip
+    return shas
+
+
+def bisect_json(repo: Path) -> dict:
+    (found,) = (repo / "outputs" / "bisect").glob("*/bisect.json")
+    return json.loads(found.read_text())
+
+
+@pytest.mark.slow
+def test_bisect_names_the_commit_that_made_the_step_slower(tmp_path):
+    repo = tmp_path / "repo"
+    shas = history(repo)
+    result = moe_perf(repo, "bisect", shas[0], shas[-1], *RUN, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"first commit DIFFERENT (slower): {shas[4]} commit 5" in result.stdout
+    found = bisect_json(repo)
+    assert len(found["probes"]) <= 4 and found["direction"] == 1
+    assert found["probes"][0]["sha"] == shas[-1]  # BAD is confirmed first
+    for probe in found["probes"]:  # every probe's sweep and its arms are kept
+        assert probe["word"] in ("SAME", "DIFFERENT")
+        assert len(list(Path(probe["sweep_dir"]).rglob("metrics.json"))) >= 2 * probe["pairs"]
+        assert probe["sha"][:10] in result.stdout
+    assert git(repo, "status", "--porcelain") == ""  # the tree stays clean
+
+
+@pytest.mark.slow
+def test_bisect_skips_a_commit_that_fails_to_run(tmp_path):
+    repo = tmp_path / "repo"
+    shas = history(repo, broken=6)
+    result = moe_perf(repo, "bisect", shas[0], shas[-1], *RUN, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"first commit DIFFERENT (slower): {shas[4]} commit 5" in result.stdout
+    skipped = [p for p in bisect_json(repo)["probes"] if p["failed"]]
+    assert [p["sha"] for p in skipped] == [shas[5]]
+    assert "crashing on purpose" in skipped[0]["failed"] or "failed" in skipped[0]["failed"]
+    assert "skipped" in result.stdout
+
+
+def test_bisect_refuses_what_it_cannot_bisect(tmp_path):
+    repo = tmp_path / "repo"
+    shas = history(repo)
+    backwards = moe_perf(repo, "bisect", shas[-1], shas[0], *RUN)
+    assert backwards.returncode == 2 and "is not an ancestor of" in backwards.stderr
+    (repo / "untracked.txt").write_text("dirty")
+    dirty = moe_perf(repo, "bisect", shas[0], shas[-1], *RUN)
+    assert dirty.returncode == 2 and "untracked.txt" in dirty.stderr
+    assert not (repo / "outputs" / "bisect").exists()
+
+
+def test_the_next_probe_is_the_untested_commit_nearest_the_middle():
+    assert next_probe(-1, 6, set()) == 2  # commits 0..6 untested between GOOD and BAD
+    assert next_probe(-1, 6, {2}) == 3
+    assert next_probe(2, 4, set()) == 3
+    assert next_probe(2, 4, {3}) is None  # only skipped commits left
+    assert next_probe(3, 4, set()) is None
+
+
+def test_bisect_arguments():
+    assert parse_args(["main", "feature", "model=tiny"]) == ("main", "feature", ["model=tiny"])
+    with pytest.raises(BisectError, match="usage"):
+        parse_args(["main"])
+    with pytest.raises(BisectError, match="refs.base=x: bisect sets it"):
+        parse_args(["main", "feature", "refs.base=x"])
