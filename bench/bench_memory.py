@@ -36,7 +36,8 @@ from moe_perf.common.errors import PrerequisiteError  # noqa: E402
 
 GIB = 2**30
 # (name, model, layers, global batch, micro-batch, more overrides): the H200 data points of
-# docs/benchmarks.md, and every preset at 4 layers (gpt-oss-120b ran out of memory there)
+# docs/benchmarks/memory-estimate-h200-2026-12.md, and every preset at 4 layers (gpt-oss-120b
+# ran out of memory there)
 GPU_CONFIGS = [
     ("qwen3-30b-a3b-4L-32x16", "qwen3-30b-a3b", 4, 32, 16, []),
     ("qwen3-30b-a3b-8L-32x8", "qwen3-30b-a3b", 8, 32, 8, []),

@@ -6,8 +6,9 @@
     python bench/bench_trainer.py --model tiny --seq 128 --global-batch 4 --micro-batch 2 \
         --device cpu --eager --steps 4                  # a CPU smoke run
 
-Defaults (docs/benchmarks.md): 4 of qwen3-30b-a3b's 48 layers (fits one H200 with fp32 AdamW
-state), global batch 32 x 2048 tokens in micro-batches of 16, blocks and loss compiled.
+Defaults (docs/benchmarks/reference-trainer-step-h200-2026-12.md): 4 of qwen3-30b-a3b's 48
+layers (fits one H200 with fp32 AdamW state), global batch 32 x 2048 tokens in micro-batches of
+16, blocks and loss compiled.
 
 Composes the run's config from conf/ with Hydra's compose API, as the runner composes an arm's
 (the model's preset with the layer count cut, mesh=single, forced balance on), writes it

@@ -119,10 +119,10 @@ def bench_config(model: str, layers: int, global_batch: int, micro_batch: int) -
             "trainer": {"name": "reference", "compile": True}}  # fmt: skip
 
 
-# Peaks measured on one GPU (torch 2.11, docs/benchmarks.md) with the trainer as it is now (bf16
-# residual stream, the Triton loss): the trainer's peak_mem_gib, torch.cuda.max_memory_reserved,
-# with the card's memory. The estimate counts tensors (allocated), which the caching allocator's
-# reserve exceeds by a few percent.
+# Peaks measured on one GPU (torch 2.11, docs/benchmarks/reference-trainer-step-h100-2026-12.md)
+# with the trainer as it is now (bf16 residual stream, the Triton loss): the trainer's
+# peak_mem_gib, torch.cuda.max_memory_reserved, with the card's memory. The estimate counts
+# tensors (allocated), which the caching allocator's reserve exceeds by a few percent.
 GPU_PEAKS_GIB = {
     ("qwen3-30b-a3b", 4, 32, 8): 66.90,  # one H100 80GB, 0f05780 (bench_trainer_ab.sh)
 }

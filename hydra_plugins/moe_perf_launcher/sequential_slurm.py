@@ -1,7 +1,8 @@
 """`hydra/launcher=moe_perf_slurm`: Hydra's submitit launcher, one arm per SLURM job, in order.
 
 Stock `submitit_slurm` submits a whole sweep batch as one job array, so arms would run
-concurrently (unless `hydra.sweeper.max_batch_size=1`, REFERENCE §7). This subclass submits one
+concurrently (Hydra's submitit launchers run a batch's jobs at once; only
+`hydra.sweeper.max_batch_size=1` keeps one job at a time, in order). This subclass submits one
 job, waits for its result, then submits the next, whatever the sweeper's batch size: arms stay
 strictly sequential and in sweep order (base before feat, repeats interleaved).
 

@@ -82,10 +82,11 @@ def under(cfg: Any, code: Path, env: dict[str, str]) -> dict[str, str]:
 
 
 # Python's own compile cache. Where PYTHONDONTWRITEBYTECODE is set (a common line in Dockerfiles;
-# the CUDA image of our H200 runs sets it, and its torch ships no .pyc files), every trainer
-# process compiles the source of every module it imports: `import torch` and torch._dynamo took
-# 7.4-8.3 s there in each arm. The arms then keep their bytecode in one directory of the machine
-# instead (PYTHONPYCACHEPREFIX), never beside the sources, which is what that setting protects.
+# the CUDA image of the GPU benchmarks, torch 2.11.0+cu130, sets it and ships torch without .pyc
+# files), every trainer process compiles the source of every module it imports: `import torch`
+# and torch._dynamo took 7.4-8.3 s in each arm there (one H200). The arms then keep their
+# bytecode in one directory of the machine instead (PYTHONPYCACHEPREFIX), never beside the
+# sources, which is what that setting protects.
 # It is not the repository's: Python checks each cached file against its source's path, size and
 # modification time, so torch's bytecode serves every repository's arms (a new repository's first
 # arm, whose torch.compile caches are cold, does not compile torch's source again). A worktree is
