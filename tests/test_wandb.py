@@ -152,3 +152,42 @@ def test_wandb_failure_is_a_warning_not_an_error(tmp_path, capsys):
     assert result is None
     err = capsys.readouterr().err
     assert "wandb logging of" in err and "unaffected" in err
+
+
+LOG_VERDICT = textwrap.dedent(
+    """
+    import json, sys
+    from moe_perf.runner.wandb_log import log_verdict
+    print("RESULT", log_verdict(json.load(open(sys.argv[1])), sys.argv[2], json.loads(sys.argv[3])))
+    """
+)
+
+
+def test_the_verdict_is_a_run_whose_summary_carries_it(tmp_path):
+    group = {
+        "model": "tiny", "tag": "pp1-dp1-cp1-ep1-seq64-bf16", "aa": False, "pairs": 3,
+        "plan": {"effect": 0.01, "confidence": 0.95, "max_pairs": 6, "sequential": True},
+        "arms": {"base": {"shas": ["b" * 40]}, "feat": {"shas": ["f" * 40]}},
+        "verdict": {"step_time_s": {"word": "DIFFERENT", "estimate": 0.021, "low": 0.016,
+                                    "high": 0.026, "pairs": 3, "confidence": 0.95,
+                                    "effect": 0.01, "reason": "the interval excludes zero"}},
+    }  # fmt: skip
+    (tmp_path / "group.json").write_text(json.dumps(group))
+    state = tmp_path / "sweep" / ".moe_perf"
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(home), WANDB_CONFIG_DIR=str(home / "config"),
+               WANDB_CACHE_DIR=str(home / "cache"), WANDB_DATA_DIR=str(home / "data"))  # fmt: skip
+    cmd = [sys.executable, "-c", LOG_VERDICT, str(tmp_path / "group.json"), str(state),
+           json.dumps({"mode": "offline"})]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "verdict of tiny pp1-dp1-cp1-ep1-seq64-bf16" in result.stdout
+    run_dir = Path(result.stdout.split("RESULT ")[1].split()[0])
+    assert run_dir.is_relative_to(state)
+    (data,) = run_dir.glob("run-*.wandb")
+    content = data.read_bytes()
+    for expected in (b"verdict/step_time_s/word", b"DIFFERENT", b"verdict/step_time_s/low",
+                     b"performance/tiny", b"pp1-dp1-cp1-ep1-seq64-bf16-verdict"):  # fmt: skip
+        assert expected in content, expected
+    assert wandb_log.verdict_summary(group)["verdict/step_time_s/high"] == 0.026

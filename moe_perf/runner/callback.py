@@ -79,6 +79,7 @@ class CompareCallback(Callback):
                 print("\n".join(written_files(report, sweep_dir)), flush=True)
             for group in report["groups"]:
                 print(f"[moe_perf] {verdict(group)}", flush=True)
+            self.log_verdicts(report, config, sweep_dir)
             failed = [r for g in report["groups"] for r in g["runs"] if r["status"] != "ok"]
         except Exception as exc:  # a callback must never fail the sweep: say why, plainly
             where = sweep_dir if sweep_dir is not None else "<sweep dir>"
@@ -93,6 +94,15 @@ class CompareCallback(Callback):
             print(f"[moe_perf] {len(failed)} run(s) of this sweep failed: exit code {ARM_FAILED}",
                   file=sys.stderr, flush=True)  # fmt: skip
             raise SystemExit(ARM_FAILED)
+
+    def log_verdicts(self, report: dict, config: DictConfig, sweep_dir: Path) -> None:
+        wandb_cfg = OmegaConf.select(config, "wandb")
+        if not self.write or str(OmegaConf.select(config, "wandb.mode")) == "disabled":
+            return
+        from moe_perf.runner.wandb_log import log_verdict  # wandb only where it is used
+
+        for group in report["groups"]:
+            log_verdict(group, sweep_dir / ".moe_perf", wandb_cfg)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """Nothing: each arm writes its own record; comparing waits for the sweep's end."""

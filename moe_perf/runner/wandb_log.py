@@ -208,3 +208,70 @@ def log_arm(record: dict, arm_dir: Path | str, wandb_cfg: Mapping | None) -> str
             flush=True,
         )
         return None
+
+
+# ---- the verdict of a (model, tag), at the end of the sweep ----------------------------------
+
+VERDICT_KEYS = ("word", "estimate", "low", "high", "pairs", "confidence", "effect", "reason")
+
+
+def verdict_summary(group: dict) -> dict:
+    """A comparison group's verdict as flat summary keys: `verdict/step_time_s/word`, ..."""
+    summary = {"verdict/pairs": group.get("pairs"), "verdict/aa": group.get("aa")}
+    for metric, verdict in (group.get("verdict") or {}).items():
+        for key in VERDICT_KEYS:
+            if verdict.get(key) is not None:
+                summary[f"verdict/{metric}/{key}"] = verdict[key]
+    return summary
+
+
+def _log_verdict(group: dict, state_dir: Path, cfg: dict, mode: str, why: str) -> str:
+    import wandb
+
+    model, tag = group.get("model", "unknown"), group.get("tag")
+    where = state_dir / "wandb-verdict" / f"{model}-{tag}"
+    where.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=cfg.get("project") or "moe_perf",
+        entity=cfg.get("entity") or None,
+        group=f"performance/{model}",  # beside the arms it decides on
+        job_type="verdict",
+        name=f"{tag}-verdict",
+        tags=[str(model), str(tag), "verdict"],
+        config={
+            "plan": group.get("plan"),
+            "shas": {a: v.get("shas") for a, v in group.get("arms", {}).items()},
+        },  # fmt: skip
+        dir=str(where),
+        mode=mode,
+        settings=wandb.Settings(
+            console="off", silent=True, save_code=False, x_disable_stats=True, disable_git=True
+        ),
+    )
+    try:
+        for key, value in verdict_summary(group).items():
+            run.summary[key] = value
+        run_dir = Path(run.dir).parent
+        shown = run.url if mode == "online" else f"{run_dir} (upload later: wandb sync {run_dir})"
+        print(f"[moe_perf] wandb {mode} ({why}): verdict of {model} {tag}: {shown}", flush=True)
+        return str(run_dir)
+    finally:
+        run.finish()
+
+
+def log_verdict(group: dict, state_dir: Path | str, wandb_cfg: Mapping | None) -> str | None:
+    """Log one (model, tag)'s verdict as a run of its own (job type `verdict`, in the arms'
+    group) whose summary carries it; the run directory under `state_dir`, or None. Never
+    raises: the comparison is already written."""
+    try:
+        cfg = _as_dict(wandb_cfg)
+        mode, why = choose_mode(cfg.get("mode"))
+        if mode == "disabled" or not group.get("verdict"):
+            return None
+        return _log_verdict(group, Path(state_dir), cfg, mode, why)
+    except Exception as exc:
+        secrets = tuple(s for s in (api_key(),) if s)
+        message = redact(f"{type(exc).__name__}: {exc}", secrets)
+        print(f"[moe_perf] warning: wandb logging of the verdict failed ({message}); "
+              "comparison.json is unaffected", file=sys.stderr, flush=True)  # fmt: skip
+        return None
