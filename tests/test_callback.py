@@ -4,6 +4,7 @@ Independent of the runner's CLI on purpose."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -96,8 +97,7 @@ def test_multirun_prints_comparison_with_repeats(tmp_path):
     assert "A/A run" in out  # both arms carry the same sha in this stand-in
     assert "| base | 2 | 0.1001 [0.1000-0.1001]" in out
     assert "| feat vs base |  | +20.00% (slower)" in out
-    assert "median of 2 base and 2 feat run medians" in out
-    assert "do not overlap" in out
+    assert re.search(r"^\[moe_perf\] tiny \S+: step time .*DIFFERENT", out, re.M), out
     sweep = tmp_path / "sweep"
     assert (sweep / "comparison.md").read_text() in out
     assert (sweep / "comparison.json").exists()
@@ -108,10 +108,9 @@ def test_multirun_prints_comparison_with_repeats(tmp_path):
         "  tiny/pp1-dp1-cp1-ep1-seq64-bf16-feat-r1/  .hydra/ app.log console.log metrics.json"
         in listed
     )
-    assert out.rstrip().endswith(
-        "[moe_perf] tiny pp1-dp1-cp1-ep1-seq64-bf16: feat is 20.00% slower than base, outside "
-        "the run-to-run spread; A/A run (one commit), so any difference is noise"
-    )
+    last = out.rstrip().splitlines()[-1]  # the sweep ends with its verdict
+    assert last.startswith("[moe_perf] tiny pp1-dp1-cp1-ep1-seq64-bf16: step time ")
+    assert "DIFFERENT" in last and last.endswith("A/A run (one commit), so any difference is noise")
 
 
 def test_multirun_failed_arm_is_shown(tmp_path):

@@ -117,13 +117,17 @@ def test_sweep_feat_slower_table_and_files(tmp_path):
     assert step["pct"] == pytest.approx(10.0) and step["words"] == "slower"
     assert group["difference"]["tokens_per_s"]["words"] == "slower"
     assert "| feat vs base |  | +10.00% (slower) | -9.09% (slower) | +0.00% (same)" in text
-    assert "Step time: feat is 10.00% slower than base" in text
-    assert "run-to-run spread is unknown" in text
+    # one pair gives no run-to-run spread: no decision, and the reason says so
+    verdict = group["verdict"]["step_time_s"]
+    assert (verdict["word"], verdict["pairs"], group["pairs"]) == ("UNKNOWN", 1, 1)
+    assert verdict["estimate"] == pytest.approx(0.10) and verdict["low"] is None
+    assert "**Step time**: " in text and verdict["reason"] in text
     for word in ("PASS", "FAIL", "regression"):
         assert word not in text
 
     saved = json.loads((tmp_path / "comparison.json").read_text())
-    assert saved["schema"] == "moe_perf.comparison/1"
+    assert saved["schema"] == "moe_perf.comparison/2"
+    assert compare.read_comparison(tmp_path / "comparison.json")["groups"][0]["verdict"]
     assert saved["groups"][0]["arms"]["base"]["step_time_s"]["median"] == pytest.approx(0.40)
     assert (tmp_path / "comparison.md").read_text() == text
     png = (tmp_path / "comparison.png").read_bytes()
@@ -206,7 +210,10 @@ def test_repeats_median_of_medians_and_spread(tmp_path):
     assert (base["step_time_s"]["min"], base["step_time_s"]["max"]) == pytest.approx((0.3, 0.32))
     assert report["groups"][0]["difference"]["step_time_s"]["within_spread"] is False
     assert "| base | 3 | 0.3100 [0.3000-0.3200]" in text
-    assert "do not overlap" in text
+    # the pairs' log-ratios (0.336, 0.327, 0.318) sit far from zero: one look, fixed repeats
+    verdict = report["groups"][0]["verdict"]["step_time_s"]
+    assert (verdict["word"], verdict["pairs"]) == ("DIFFERENT", 3)
+    assert verdict["low"] > 0.3 and report["groups"][0]["plan"]["sequential"] is False
     assert "Warning: base r2 looks unstable" in text
 
 
@@ -214,9 +221,12 @@ def test_repeats_overlap_said_within_spread(tmp_path):
     for k, (b, f) in enumerate([(0.40, 0.41), (0.42, 0.40), (0.44, 0.43)]):
         write_arm(tmp_path, "base", flat([b] * 7), repeat=k)
         write_arm(tmp_path, "feat", flat([f] * 7), repeat=k)
-    _, text = compare.compare_sweep(tmp_path, write=False)
-    assert "median of 3 base and 3 feat run medians" in text
-    assert "within the run-to-run spread (the min-max ranges overlap)" in text
+    report, text = compare.compare_sweep(tmp_path, write=False)
+    # feat vs base: +2.5%, -4.9%, -2.3%: the interval spans zero and the 1% effect
+    verdict = report["groups"][0]["verdict"]["step_time_s"]
+    assert (verdict["word"], verdict["pairs"]) == ("UNKNOWN", 3)
+    assert verdict["low"] < -0.01 < 0.01 < verdict["high"]
+    assert "UNKNOWN" in text
 
 
 def test_two_meshes_give_two_groups(tmp_path):

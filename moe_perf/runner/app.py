@@ -56,7 +56,7 @@ SESSION = SweepSession()  # one command, one session: its locks and the sweep it
 ARM_FAILED = 3  # the exit code of a sweep that ran and has a failed arm
 
 
-def current_job() -> Job:
+def current_job(max_pairs: int = 0) -> Job:
     hc = HydraConfig.get()
     cwd = Path(hc.runtime.cwd)
     sweep_dir = Path(str(hc.sweep.dir))
@@ -69,7 +69,7 @@ def current_job() -> Job:
         config_name=str(hc.job.config_name),
         overrides=list(hc.overrides.task),
     )
-    job.total = sweep_total(job) if job.multirun else 1
+    job.total = sweep_total(job, max_pairs) if job.multirun else 1
     return job
 
 
@@ -86,7 +86,7 @@ def sweep_arguments(job: Job, multirun: DictConfig | None) -> tuple[str, list[st
     return str(OmegaConf.select(multirun, "hydra.sweeper._target_")), arguments
 
 
-def sweep_total(job: Job) -> int | None:
+def sweep_total(job: Job, max_pairs: int) -> int | None:
     """How many arms the sweep runs, when that is known before it runs (not for repeat=auto)."""
     found = sweep_arguments(job, None)
     if found is None or not found[0].endswith("PairsSweeper"):
@@ -95,7 +95,9 @@ def sweep_total(job: Job) -> int | None:
         plan = pairs.plan_of(found[1])
     except ValueError:
         return None
-    return None if plan.auto else sum(len(batch) for batch in pairs.fixed_batches(plan))
+    if plan.auto:  # known only when one pair is all there can be
+        return 2 * len(plan.cells) if max_pairs == 1 else None
+    return sum(len(batch) for batch in pairs.fixed_batches(plan))
 
 
 def sweep_job_overrides(job: Job, multirun: DictConfig | None = None) -> list[list[str]] | None:
@@ -168,7 +170,7 @@ def one_arm_note(record: dict, overrides: list[str]) -> str:
 
 @hydra.main(version_base="1.3", config_path=config_dir(), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
-    job = current_job()
+    job = current_job(int(OmegaConf.select(cfg, "compare.max_pairs", default=0) or 0))
     record = run_arm(cfg, job, SESSION, check_all_jobs)
     if job.multirun or bool(cfg.get("dry_run", False)):
         return  # a multirun's exit code is set once the comparison is written (callback.py)

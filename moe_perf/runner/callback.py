@@ -77,9 +77,9 @@ class CompareCallback(Callback):
             if self.write:
                 print("[moe_perf] files written:", flush=True)
                 print("\n".join(written_files(report, sweep_dir)), flush=True)
-            for group in report["groups"]:
-                print(f"[moe_perf] {verdict(group)}", flush=True)
             self.log_verdicts(report, config, sweep_dir)
+            for group in report["groups"]:  # the sweep's last lines: one verdict per (model, tag)
+                print(f"[moe_perf] {verdict(group)}", flush=True)
             failed = [r for g in report["groups"] for r in g["runs"] if r["status"] != "ok"]
         except Exception as exc:  # a callback must never fail the sweep: say why, plainly
             where = sweep_dir if sweep_dir is not None else "<sweep dir>"
