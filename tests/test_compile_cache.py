@@ -28,7 +28,7 @@ LOSS = "    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.f
 # short sequences keep the cold CPU compile of the base arm to some tens of seconds
 SMALL = ["dtype=bf16", "trainer.compile=true", "model.num_layers=1",
          "training.sequence_length=32", "training.global_batch=2", "training.max_steps=2",
-         "wandb.mode=disabled", "timeout_s=300"]  # fmt: skip
+         "wandb.mode=disabled", "timeout_s=300", "compare.max_pairs=1"]  # fmt: skip
 
 
 def test_the_second_arm_loads_unchanged_graphs_and_recompiles_the_changed_one(tmp_path):
@@ -166,7 +166,8 @@ def test_bytecode_is_cached_for_the_arms_where_the_environment_forbids_it_beside
     caches of its own, reads torch's bytecode from there."""
     xdg = {"PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
     run = ["dtype=fp32", "model.num_layers=1", "training.sequence_length=32",
-           "training.global_batch=2", "training.max_steps=2", "wandb.mode=disabled"]  # fmt: skip
+           "training.global_batch=2", "training.max_steps=2", "wandb.mode=disabled",
+           "compare.max_pairs=1"]  # fmt: skip
     repo = copy_of_moe_perf(tmp_path / "repo")
     result = moe_perf(tmp_path, f"repo={repo}", f"compile_cache={tmp_path / 'cache'}", *run,
                       "-m", "arm=base,feat", env=xdg)  # fmt: skip

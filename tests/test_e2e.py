@@ -227,7 +227,7 @@ def test_reference_trainer_runs_each_arms_own_code(tmp_path):
 
     # run from outside the copy: the runner is the installed one, each arm's trainer its own
     small = ["training.sequence_length=64", "training.global_batch=4", "training.max_steps=4",
-             "wandb.mode=disabled", "timeout_s=240"]  # fmt: skip
+             "wandb.mode=disabled", "timeout_s=240", "compare.max_pairs=1"]  # fmt: skip
     result = moe_perf(tmp_path, f"repo={repo}", *small, "-m", "arm=base,feat")
     assert_ok(result)
     assert "both arms run the same" not in result.stdout
@@ -243,7 +243,8 @@ def test_reference_trainer_runs_each_arms_own_code(tmp_path):
 
 def test_a_repository_without_the_trainer_says_both_arms_run_the_same_code(tmp_path):
     repo = make_repo(tmp_path / "repo")
-    small = ["training.sequence_length=64", "training.global_batch=4", "training.max_steps=2"]
+    small = ["training.sequence_length=64", "training.global_batch=4", "training.max_steps=2",
+             "compare.max_pairs=1"]
     result = moe_perf(repo, *small, "wandb.mode=disabled", "-m", "arm=base,feat")
     assert_ok(result)
     assert "A/A run" in result.stdout
@@ -256,7 +257,7 @@ def test_reference_trainer_runs_the_pp_and_cp_presets(tmp_path):
     """The runner's pp2_ep2 and cp2_ep2 presets (world 4) through the real command."""
     repo = make_repo(tmp_path / "repo")
     small = ["training.sequence_length=64", "training.global_batch=8", "training.max_steps=3",
-             "wandb.mode=disabled", "timeout_s=300"]  # fmt: skip
+             "wandb.mode=disabled", "timeout_s=300", "compare.max_pairs=1"]  # fmt: skip
     result = moe_perf(repo, *small, "-m", "mesh=pp2_ep2,cp2_ep2", "arm=base")
     assert_ok(result)
     arms = sweep_dir(repo) / "tiny"

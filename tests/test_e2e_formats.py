@@ -139,6 +139,7 @@ def sweep(repo: Path, log_format: str, *overrides: str, env: dict | None = None)
         repo, "trainer=command", command,
         f"trainer.log_format='{log_format}'", "training.sequence_length=64",
         "training.global_batch=4", "training.max_steps=6", "wandb.mode=disabled",
+        "compare.max_pairs=1",
         "timeout_s=120", *overrides, "-m", "arm=base,feat", env=env,
     )  # fmt: skip
 
@@ -224,7 +225,7 @@ def test_torchtitan_command_that_runs_another_batch_fails_naming_the_override(re
     result = moe_perf(
         repo, "trainer=command", command, "trainer.log_format=torchtitan",
         "training.sequence_length=64", "training.global_batch=16", "training.max_steps=4",
-        "wandb.mode=disabled", "timeout_s=120", "-m", "arm=base,feat",
+        "wandb.mode=disabled", "timeout_s=120", "compare.max_pairs=1", "-m", "arm=base,feat",
     )  # fmt: skip
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     for arm in ("base", "feat"):

@@ -333,6 +333,7 @@ def test_traces_of_each_trainer_are_found(tmp_path):
 EXPERT_RETURN = "return expert_bmm(h_LJF, w2).view(x_ND.shape[0], -1)"
 SMALL = ["dtype=fp32", "training.sequence_length=64", "training.global_batch=4",
          "training.max_steps=3", "trainer.explain_steps=5", "wandb.mode=disabled",
+         "compare.max_pairs=1",
          "timeout_s=300", "explain=true"]  # fmt: skip
 
 

@@ -94,6 +94,7 @@ RUN = [
     "training.global_batch=4",
     "training.max_steps=5",
     "wandb.mode=disabled",
+    "compare.max_pairs=1",
     "timeout_s=60",
 ]
 
