@@ -184,23 +184,23 @@ def breakdown(arm_dir: Path, top: int = 3) -> dict:
     return result
 
 
-def show(result: dict) -> None:
+def show(result: dict, out=sys.stdout) -> None:
     total = sum(s for _, s in result["timeline_s"])
-    print(f"== {result['arm_dir']}: {total:.2f} s")
+    print(f"== {result['arm_dir']}: {total:.2f} s", file=out)
     for part, seconds in result["timeline_s"]:
-        print(f"  {seconds:8.2f}  {part}")
+        print(f"  {seconds:8.2f}  {part}", file=out)
     for phase, parts in result.get("stacks_s", {}).items():
-        print(f"== sampled stacks, {phase}: {sum(parts.values()):.2f} s")
+        print(f"== sampled stacks, {phase}: {sum(parts.values()):.2f} s", file=out)
         for name, seconds in parts.items():
-            print(f"  {seconds:8.2f}  {name}")
+            print(f"  {seconds:8.2f}  {name}", file=out)
     if result["compile_phases_s"]:
-        print("== dynamo's compile clocks (s, nested): " + ", ".join(
-            f"{k} {v:.2f}" for k, v in result["compile_phases_s"].items()))  # fmt: skip
+        clocks = ", ".join(f"{k} {v:.2f}" for k, v in result["compile_phases_s"].items())
+        print(f"== dynamo's compile clocks (s, nested): {clocks}", file=out)
     for entry in result.get("imports_s", []):
         heaviest = ", ".join(f"{m} {s:.2f}" for m, s in entry["heaviest"])
-        print(f"  import {entry['module']}: {entry['s']:.2f} s ({heaviest})")
+        print(f"  import {entry['module']}: {entry['s']:.2f} s ({heaviest})", file=out)
     if "attention_warm_up" in result:
-        print(f"== attention warm-up: {json.dumps(result['attention_warm_up'])}")
+        print(f"== attention warm-up: {json.dumps(result['attention_warm_up'])}", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:
