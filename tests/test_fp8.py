@@ -35,9 +35,12 @@ def test_fp8_without_an_fp8_gpu_is_refused_before_launch(ab_repo):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is not None, reason="torchao is installed")
-def test_fp8_of_the_reference_trainer_without_torchao_names_it(ab_repo):
+@pytest.mark.parametrize(
+    "switch", [[], ["trainer.fp8_master_weights=true"]], ids=["plain", "masters"]
+)
+def test_fp8_of_the_reference_trainer_without_torchao_names_it(ab_repo, switch):
     result = moe_perf(
-        ab_repo, *REFERENCE, "dtype=fp8", "training.device=auto", "-m", "arm=base,feat"
+        ab_repo, *REFERENCE, "dtype=fp8", *switch, "training.device=auto", "-m", "arm=base,feat"
     )
     assert_refused_before_launch(result, ab_repo, "dtype=fp8 needs torchao")
 

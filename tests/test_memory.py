@@ -128,6 +128,23 @@ GPU_PEAKS_GIB = {
 }
 
 
+def test_fp8_over_master_weights_is_estimated_as_bf16():
+    """trainer.fp8_master_weights gives fp8 the bf16 path's weights (bf16 copies over fp32
+    masters, a bf16 residual stream) on one rank: the same estimate; without it fp8 keeps
+    autocast's fp32 residual stream; under FSDP the switch changes nothing."""
+    raw = bench_config("qwen3-30b-a3b", 4, 32, 8)
+    fp8 = {**raw, "dtype": {"name": "fp8", "fp8": True}}
+    switched = {**fp8, "trainer": {**raw["trainer"], "fp8_master_weights": True}}
+
+    def estimate(config: dict, **mesh) -> memory.MemoryEstimate:
+        return memory.estimate(config_from_dict({**config, "mesh": mesh}), "cuda")
+
+    assert estimate(switched) == estimate(raw)
+    assert estimate(fp8).activations > estimate(raw).activations
+    fsdp = {"nproc_per_node": 2, "ep": 2}
+    assert estimate(switched, **fsdp) == estimate(fp8, **fsdp)
+
+
 @pytest.mark.parametrize("run", list(GPU_PEAKS_GIB), ids=lambda r: "-".join(map(str, r)))
 def test_the_compiled_estimate_matches_the_measured_gpu_peaks(run):
     estimated = memory.estimate(config_from_dict(bench_config(*run)), "cuda")

@@ -4,6 +4,7 @@ steps with it (CPU, bf16)."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import pytest
@@ -13,6 +14,8 @@ from torch import nn
 
 from moe_perf.common.config import load_config
 from moe_perf.trainer import precision, train
+from moe_perf.trainer.model import build_model
+from moe_perf.trainer.parallelize import init_parallel, parallelize
 
 
 def small_model() -> nn.Module:
@@ -91,6 +94,74 @@ def test_the_trainer_steps_the_masters_and_copies_them_into_the_model(tmp_path):
     ref_losses = [float(train.train_step(ref, train.local_batch(ref, s))[0]) for s in (1, 2, 3)]
     assert losses[0] != losses[2]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=5e-3, atol=0)
+
+
+FP8 = {"name": "fp8", "fp8": True}
+
+
+@pytest.mark.parametrize(
+    "dtype,switch,mesh,expected",
+    [
+        ({"name": "bf16"}, False, {}, True),
+        ({"name": "fp32"}, True, {}, False),
+        (FP8, False, {}, False),  # autocast over fp32 weights, as measured so far
+        (FP8, True, {}, True),
+        ({"name": "bf16", "fp8": True}, True, {}, True),  # the fp8 flag is fp8
+        (FP8, True, {"nproc_per_node": 2, "ep": 2}, False),  # FSDP's mixed precision instead
+        ({"name": "bf16"}, False, {"nproc_per_node": 2}, False),
+    ],
+)
+def test_which_runs_have_master_weights(tmp_path, dtype, switch, mesh, expected):
+    overrides = [f"trainer.fp8_master_weights={switch}"]
+    overrides += [f"mesh.{k}={v}" for k, v in mesh.items()]
+    cfg = load_config(str(write_config(tmp_path, dtype=dtype)), overrides)
+    assert cfg.master_weights is expected
+
+
+@pytest.mark.parametrize("switch", [False, True])
+def test_parallelize_gives_fp8_bf16_compute_weights_over_fp32_masters_with_its_switch(
+    tmp_path, switch
+):
+    """dtype=fp8 on one rank: with trainer.fp8_master_weights the bf16 path's MasterWeights
+    (torchao's Float8Linear, applied before parallelize, then casts bf16 weights to fp8 itself);
+    without it every weight stays fp32 under autocast. The float8 conversion needs torchao
+    and a GPU; the weights' precision is parallelize's alone, checked here without them."""
+    cfg = load_config(str(write_config(tmp_path, dtype=FP8)),
+                      [f"trainer.fp8_master_weights={switch}"])  # fmt: skip
+    model = build_model(cfg.model, seed=cfg.training.seed, force_balance=True, device="meta")
+    model = parallelize(model, init_parallel(cfg.mesh_dims, torch.device("cpu")), cfg)
+    mw = precision.master_weights(model)
+    if not switch:
+        assert mw is None
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+        return
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    assert model.layers["0"].attention.wq.weight.dtype == torch.bfloat16
+    assert {p.dtype for p in mw.compute} == {torch.bfloat16}
+    assert {p.dtype for p in mw.masters} == {torch.float32}
+    assert len(mw.masters) == len(list(model.parameters()))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs torchao")
+def test_torchaos_float8_linear_over_bf16_weights_gives_the_masters_fp32_gradients():
+    """The composition trainer.fp8_master_weights relies on: a Float8Linear whose weight is a
+    bf16 compute copy runs forward and backward and hands its bf16 gradient to the master's
+    hook, which accumulates it in fp32 (on the CPU as torchao's emulation runs it)."""
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 64), nn.Linear(64, 64), nn.Linear(64, 16))
+    convert_to_float8_training(model)
+    mw = precision.MasterWeights(model, torch.bfloat16, keep_fp32=(model[0],))
+    assert type(model[1]).__name__ == "Float8Linear" and model[1].weight.dtype == torch.bfloat16
+    tokens = torch.randint(0, 32, (16,))
+    for _ in range(2):  # two micro-batches
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(tokens).float().square().sum().backward()
+    for master in mw.compute_masters:
+        assert master.grad is not None and master.grad.dtype == torch.float32
+        assert torch.isfinite(master.grad).all() and master.grad.abs().sum() > 0
+    assert all(p.grad is None for p in mw.compute)
 
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -212,6 +212,13 @@ class TrainerConfig:
     # steps run under torch.profiler after the measured ones (0 = off), not counted in the
     # step lines: <arm_dir>/explain/ (set by the runner when explain=true)
     explain_steps: int = knob(0, min=0)
+    # switches of start-up and step changes awaiting a GPU A/B (off: the trainer as measured)
+    # one attention forward and backward at the step's shapes in a thread while the model is
+    # built, so cuDNN's first use leaves step 1 (runtime.warm_attention_in_background)
+    warm_attention: bool = False
+    # dtype=fp8 on one data x context rank: bf16 compute weights over fp32 masters, as bf16
+    # has (Config.master_weights), instead of autocast over fp32 weights
+    fp8_master_weights: bool = False
 
     def __post_init__(self):
         self.activation_checkpointing = ac_mode(self.activation_checkpointing)
@@ -242,6 +249,19 @@ class Config:
     @property
     def mesh_dims(self) -> MeshDims:
         return self.mesh.dims()
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the compute weights are bf16 copies over fp32 masters (trainer/precision.py):
+        on one data x context rank (on several FSDP's mixed precision does the same), under
+        dtype=bf16, and under dtype=fp8 with trainer.fp8_master_weights (torchao's float8
+        linears then cast bf16 weights; without it autocast casts fp32 ones in every
+        micro-batch). The one rule of parallelize and the memory estimate."""
+        if self.mesh_dims.dp_cp > 1:
+            return False
+        if self.dtype.fp8 or self.dtype.name == "fp8":
+            return self.trainer.fp8_master_weights
+        return self.dtype.name == "bf16"
 
     def validate(self) -> MeshDims:
         """Every value in its range, the runner's mesh checks (same messages), plus what only

@@ -5,9 +5,10 @@ experts, experts sliced by ep and sharded over edp = dp*cp/ep, fused AdamW with 
 states, gradients set to None between steps):
 
 * weights      4 B per local parameter (fp32 masters), plus bf16 copies: outside FSDP the
-               bf16 compute weights (dtype=bf16 on one data x context rank:
-               trainer/precision.py) or those autocast and the experts' cast keep for backward
-               (fp8), inside FSDP one layer's all-gathered bf16 parameters;
+               bf16 compute weights (`Config.master_weights`: dtype=bf16, or fp8 with
+               trainer.fp8_master_weights, on one data x context rank: trainer/precision.py)
+               or those autocast and the experts' cast keep for backward (fp8), inside FSDP
+               one layer's all-gathered bf16 parameters;
 * gradients    4 B per local parameter, and with bf16 compute weights outside FSDP the bf16
                gradient of the largest parameter, alive until its hook adds it in;
 * optimizer    8 B per local parameter (AdamW exp_avg and exp_avg_sq);
@@ -189,7 +190,7 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
         in_flight = n_micro if cfg.trainer.pp_schedule == "GPipe" else min(n_micro, dims.pp)
     fsdp = dims.dp_cp > 1
     # bf16 compute weights over fp32 masters (parallelize.py): a bf16 residual stream
-    r = 2 if not fsdp and cfg.dtype.name == "bf16" and not cfg.dtype.fp8 else 4
+    r = 2 if cfg.master_weights else 4
     dense_shard = dims.dp_cp if fsdp else 1
     expert_shard = dims.ep * (dims.edp if dims.edp > 1 else 1)
 

@@ -26,8 +26,9 @@ Order in `parallelize` (each step sees the model the previous one left):
                            (sequence loss), injected into the MoE layers
   5. activation checkpointing, then compile (per block)
   6. FSDP2                 experts over edp, everything else over dp*cp; when dp*cp = 1 no
-                           FSDP, and under dtype=bf16 bf16 compute weights over fp32 masters
-                           instead (precision.MasterWeights: what FSDP's mixed precision does)
+                           FSDP, and under dtype=bf16 (fp8 with trainer.fp8_master_weights)
+                           bf16 compute weights over fp32 masters instead
+                           (precision.MasterWeights: what FSDP's mixed precision does)
 
 Mesh layout. Global rank = pp_i * (dp*cp) + dp_i * cp + cp_i, i.e. a DeviceMesh
 ("pp", "dp", "cp"). Expert parallel is folded into the flattened dp*cp dimension ("dp_cp"):
@@ -171,8 +172,9 @@ def parallelize(model: nn.Module, par: Parallel, cfg) -> nn.Module:
     # cast once a step where autocast would cast in every micro-batch.
     if dist.is_initialized() and dims.dp_cp > 1:
         apply_fsdp(model, par, mixed_precision(cfg, par.device))
-    elif cfg.dtype.name == "bf16" and not cfg.dtype.fp8:
-        # fp8 keeps autocast over fp32 weights: torchao's Float8Linear casts them itself.
+    elif cfg.master_weights:
+        # bf16, and fp8 with trainer.fp8_master_weights: torchao's Float8Linear casts the bf16
+        # copies to fp8 itself (otherwise fp8 keeps autocast over fp32 weights)
         model.master_weights = MasterWeights(
             model, torch.bfloat16, keep_fp32=(getattr(model, "tok_embeddings", None),)
         )

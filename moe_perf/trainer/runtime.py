@@ -9,11 +9,13 @@ import resource
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moe_perf.common.config import ConfigError
+from moe_perf.common.config import ConfigError, ModelConfig
+from moe_perf.trainer.attention import causal_attention
 
 _IMPORTED = time.perf_counter()
 
@@ -145,6 +147,67 @@ def hash_triton_in_background() -> threading.Thread:
     thread = threading.Thread(target=triton_key if HAS_TRITON else None, daemon=True)
     thread.start()
     return thread
+
+
+WARM_ATTENTION_THREAD = "moe_perf-warm-attention"
+
+
+@dataclass
+class AttentionWarmUp:
+    """The attention warm-up's thread (`warm_attention_in_background`) and what it did, for
+    startup.json: its forward and backward's seconds, how long the build's join waited for
+    it, and what SDPA refused if it did (a warm-up only: step 1 meets and reports the same)."""
+
+    thread: threading.Thread
+    seconds: float | None = None
+    waited_s: float | None = None
+    error: str | None = None
+
+    def join(self) -> None:
+        t0 = time.perf_counter()
+        self.thread.join()
+        self.waited_s = round(time.perf_counter() - t0, 3)
+
+    def summary(self) -> dict:
+        return {"seconds": self.seconds, "waited_s": self.waited_s, "error": self.error}
+
+
+def warm_attention_in_background(
+    m: ModelConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device
+) -> AttentionWarmUp:
+    """One causal GQA attention forward and backward at the step's shapes (model `m`, `batch`
+    sequences of `seq` tokens, `dtype`), through the model's own call, in a thread while the
+    model is built (trainer.warm_attention); join it before step 1. On an H100, cuDNN's
+    attention cost its process 0.69 s at its first forward and 0.67 s at its first backward,
+    inside step 1; a thread that had run one first left 43 ms to the main thread's first
+    forward and 2.5 ms to the backward (bench/bench_first_calls.py --side-thread: the first use
+    is mostly per process; the backward runs on autograd's device thread, shared). The op
+    runs without the GIL, beside the build's imports."""
+
+    def attend() -> None:
+        t0 = time.perf_counter()
+        try:
+            _attention_forward_backward(m, batch, seq, dtype, device)
+        except Exception as e:  # step 1 runs the same call and reports it
+            warm_up.error = f"{type(e).__name__}: {e}"
+        warm_up.seconds = round(time.perf_counter() - t0, 3)
+
+    warm_up = AttentionWarmUp(threading.Thread(target=attend, name=WARM_ATTENTION_THREAD,
+                                               daemon=True))  # fmt: skip
+    warm_up.thread.start()
+    return warm_up
+
+
+def _attention_forward_backward(m: ModelConfig, batch: int, seq: int, dtype, device) -> None:
+    # zeros, not random: the global generators stay the model's (its init, its data); the
+    # kernels and plans chosen depend on shapes, strides and dtype only
+    kv, v_dim = m.num_kv_heads, m.v_head_dim or m.head_dim
+    new = dict(device=device, dtype=dtype, requires_grad=True)
+    q_BHSd = torch.zeros(batch, m.num_heads, seq, m.head_dim, **new)
+    k_BGSd = torch.zeros(batch, kv, seq, m.head_dim, **new)
+    v_BGSv = torch.zeros(batch, seq, kv, v_dim, **new).transpose(1, 2)  # the model's view
+    out = causal_attention(q_BHSd, k_BGSd, v_BGSv)
+    out.backward(torch.ones_like(out))
 
 
 def cache_custom_autograd_functions() -> None:

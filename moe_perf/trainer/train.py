@@ -44,6 +44,7 @@ from moe_perf.trainer.parallelize import (
     parallelize,
 )
 from moe_perf.trainer.runtime import (
+    AttentionWarmUp,
     Timeline,
     TrainerError,
     apply_fp8,
@@ -59,6 +60,7 @@ from moe_perf.trainer.runtime import (
     resolve_device,
     sync,
     triton_compiles,
+    warm_attention_in_background,
     warm_compile_workers,
 )
 
@@ -88,6 +90,7 @@ class Trainer:
     device_name: str | None
     clip_in_optimizer: bool = False  # the fused optimizer applies the clip (clip_gradients)
     helper: subprocess.Popen | None = None  # compiling the Triton kernels ahead (prebuild.py)
+    attention_warm_up: AttentionWarmUp | None = None  # trainer.warm_attention, joined
 
     @property
     def rank(self) -> int:
@@ -121,6 +124,7 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
         if cfg.trainer.compile:
             warm_compile_workers()
             hashing = hash_triton_in_background()
+    warm_up = start_attention_warm_up(cfg, dims, device)
     par = init_parallel(dims, device)
     timeline.mark("process_group")
     if par.global_rank == 0:
@@ -183,7 +187,23 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
     tr.helper = prebuild_kernels(tr, n_micro, torch.bfloat16 if bf16 else torch.float32)
     if hashing is not None:
         hashing.join()
+    if warm_up is not None:
+        warm_up.join()
+        tr.attention_warm_up = warm_up
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the warm-up's blocks: the steps' memory as without it
     return tr
+
+
+def start_attention_warm_up(cfg: Config, dims: MeshDims, device) -> AttentionWarmUp | None:
+    """trainer.warm_attention: the attention's first forward and backward in a thread while the
+    model is built (runtime.warm_attention_in_background), in the step's compute dtype; None
+    when off, and under context parallel (cp.py's attention makes other calls, on chunks)."""
+    if not cfg.trainer.warm_attention or dims.cp > 1:
+        return None
+    t = cfg.training
+    dtype = torch.bfloat16 if cfg.dtype.name in ("bf16", "fp8") else torch.float32
+    return warm_attention_in_background(cfg.model, t.micro_batch, t.sequence_length, dtype, device)
 
 
 def prebuild_kernels(tr: Trainer, n_micro: int, logits_dtype: torch.dtype):
@@ -359,17 +379,20 @@ def explain(tr: Trainer, steps: int, out_dir) -> None:
 # The run
 
 
-def write_startup(path: Path, timeline: Timeline) -> None:
+def write_startup(path: Path, timeline: Timeline, warm_up: AttentionWarmUp | None) -> None:
     """Rank 0's start-up timeline (seconds since its process started at each mark: main,
     process_group, model_on_meta, parallelized, step1_done, steps_done, finished) and its
     compile-cache counters, where its compiles' time went (dynamo's phase clocks, the Triton
-    kernels it compiled itself), for the runner's record."""
+    kernels it compiled itself), for the runner's record; with trainer.warm_attention, what
+    the warm-up took and how long the build waited for it."""
     info = {
         "marks_s": timeline.marks,
         "compile_counters": compile_counters(),
         "compile_phases_s": compile_phases(),
         "triton_in_process": triton_compiles.summary(),
     }
+    if warm_up is not None:
+        info["attention_warm_up"] = warm_up.summary()
     path.write_text(json.dumps(info) + "\n")
 
 
@@ -389,7 +412,7 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
         out_dir = profiling.output_dir(cfg.trainer, profile_dir)
         sampler.write(out_dir / f"stacks_rank{tr.rank}.txt")
     if startup_path is not None and tr.rank == 0:
-        write_startup(Path(startup_path), timeline)
+        write_startup(Path(startup_path), timeline, tr.attention_warm_up)
 
 
 def steps(tr: Trainer, out, timeline: Timeline, profile_dir, explain_dir) -> None:

@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# Time to a decision on one GPU (H100 or H200), every figure in one run of under 9 minutes,
+# on a fresh machine (its first arm is one of the figures):
+#   1. arms (bench_startup.py): the machine's first arm (compile caches and Python's bytecode
+#      empty), then warm arms: their walls, step 1, the share that is not measurement;
+#   2. trainer.warm_attention A/B on warm arms, off, on, on, off (one arm each);
+#   3. one warm arm with sampled stacks and import times: where its seconds go
+#      (bench/startup_breakdown.py);
+#   4. the reference trainer's step (bench_trainer.py): bf16, fp8, fp8 with
+#      trainer.fp8_master_weights, in the order bf16 fp8 fp8mw fp8mw fp8 bf16 (fp8 where torchao
+#      and an fp8-capable GPU are there, else said in "Not run");
+#   5. if time is left (BUDGET_S): trainer.warm_attention A/B on cold arms (compile caches
+#      empty, bytecode kept), then torchtitan's A/A sweep (bench_frameworks.sh) when TITAN_TREE
+#      names a torchtitan 0.2.2 tree.
+# Shapes: 4-layer qwen3-30b-a3b, seq 2048, global batch 32, micro-batch 8, compiled, 10 steps.
+#
+#   bash bench/gpu_time_to_decision.sh OUT_DIR [--dry-run | --smoke]
+#
+# OUT_DIR (new or empty) gets summary.md, figures.json, breakdown.txt (bench/
+# time_to_decision_summary.py, rewritten after every part, so a run cut short keeps what it
+# measured), logs.tar.gz (every part's log and records) and run.log (this script's output).
+# The work (compile caches, arms) goes to WORK (default: a new temporary directory).
+# --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
+# tiny model's CPU shapes (the plumbing, not figures). Environment: PYTHON (python3), BUDGET_S
+# (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
+# (recorded when the tree has no git history).
+set -uo pipefail
+
+usage() {
+  echo "usage: bash bench/gpu_time_to_decision.sh OUT_DIR [--dry-run | --smoke]" >&2
+  exit 2
+}
+[[ $# -ge 1 && $# -le 2 && $1 != -* ]] || usage
+OUT=$(realpath -m "$1") MODE=${2:-gpu}
+case $MODE in gpu | --dry-run | --smoke) ;; *) usage ;; esac
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-480}
+DRY=false
+[[ $MODE == --dry-run ]] && DRY=true
+if ! $DRY && [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
+  echo "gpu_time_to_decision: $OUT is not empty: give a new or empty OUT_DIR" >&2
+  exit 2
+fi
+export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+if [[ $MODE == --smoke ]]; then
+  STARTUP=(--set model=tiny --set model.num_layers=2 --set training.sequence_length=64
+           --set training.global_batch=4 --set training.micro_batch=2 --set training.max_steps=3
+           --set trainer.compile=false --set training.device=cpu --set timeout_s=300)
+  TRAINER=(--model tiny --layers 2 --seq 64 --global-batch 4 --micro-batch 2 --steps 3 --eager
+           --device cpu --launcher python)
+  FIRST_RUNS=2 WARM_ORDER=(off on) STEP_ORDER=(bf16) STEP_TIMEOUT=300
+else
+  STARTUP=(--set training.micro_batch=8 --set training.max_steps=10 --set timeout_s=240)
+  TRAINER=(--layers 4 --seq 2048 --global-batch 32 --micro-batch 8 --steps 10)
+  FIRST_RUNS=3 WARM_ORDER=(off on on off) STEP_ORDER=(bf16 fp8 fp8mw fp8mw fp8 bf16)
+  STEP_TIMEOUT=300
+fi
+# one warm arm attributed: every thread's stack every 5 ms, the trainer's imports timed
+BREAKDOWN=(--set trainer.sample_stacks_ms=5 --set 'trainer.command=[-X,importtime,-m,moe_perf.trainer]')
+
+if $DRY; then
+  WORK=${WORK:-<WORK>}
+else
+  WORK=${WORK:-$(mktemp -d)}
+  mkdir -p "$OUT" "$WORK/logs"
+  exec > >(tee "$OUT/run.log") 2>&1
+fi
+CACHE=$WORK/cache
+declare -A USED=()  # label -> how many runs of it so far
+
+note() {  # a part that did not run, and why (summary.md's "Not run")
+  echo "not run: $*"
+  $DRY || echo "$*" >>"$WORK/skipped.txt"
+}
+
+publish() {  # the figures so far into OUT
+  $DRY && return 0
+  "$PY" "$HERE/bench/time_to_decision_summary.py" "$WORK" "$OUT" >>"$WORK/logs/summary.log" 2>&1 ||
+    echo "summary failed: see logs/summary.log"
+  tar -C "$WORK" -czf "$OUT/logs.tar.gz" --exclude=cache --exclude='cache-*' --exclude='*.pt' \
+    --exclude=trace_rank0.json . 2>/dev/null
+}
+
+run() {  # LABEL COMMAND...: printed; unless --dry-run, run (output in logs/LABEL.log), then published
+  local label=$1 rc
+  shift
+  echo "+ [$label] $*"
+  $DRY && return 0
+  local t0=$SECONDS
+  timeout "$STEP_TIMEOUT" "$@" >"$WORK/logs/$label.log" 2>&1
+  rc=$?
+  echo "  [$label] exit $rc after $((SECONDS - t0)) s"
+  ((rc == 0)) || note "$label: exit $rc (logs/$label.log)"
+  publish
+  return "$rc"
+}
+
+fits() {  # ESTIMATE_S PART: whether an optional part's estimate ends within BUDGET_S
+  $DRY && return 0
+  ((SECONDS + $1 <= BUDGET_S)) && return 0
+  note "$2: ${SECONDS} s gone, about $1 s more would pass BUDGET_S=$BUDGET_S"
+  return 1
+}
+
+next_label() {  # VARIANT: LABEL=<variant>-<i>, the i-th run of it
+  USED[$1]=$((${USED[$1]:-0} + 1))
+  LABEL="$1-${USED[$1]}"
+}
+
+arm() {  # DIR LABEL [bench_startup.py args]: one arm
+  local dir=$1 label=$2
+  shift 2
+  run "$label" "$PY" "$HERE/bench/bench_startup.py" "$WORK/$dir" --runs 1 "${STARTUP[@]}" "$@"
+}
+
+write_meta() {
+  $DRY && return 0
+  local commit card
+  commit=$(git -C "$HERE" rev-parse HEAD 2>/dev/null || echo "${COMMIT:-unknown}")
+  card=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null |
+    head -1)
+  "$PY" - "$WORK/meta.json" "$commit" "${card:-no GPU}" "$MODE" "$BUDGET_S" "$*" <<'EOF'
+import datetime, importlib.util, json, platform, sys
+import torch
+path, commit, card, mode, budget, command = sys.argv[1:]
+torchao = None
+if importlib.util.find_spec("torchao"):
+    import torchao
+    torchao = torchao.__version__
+json.dump({"commit": commit, "card": card, "torch": torch.__version__, "torchao": torchao,
+           "python": platform.python_version(), "mode": mode, "budget_s": int(budget),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": command}, open(path, "w"), indent=1)
+EOF
+}
+
+fp8_missing() {  # why dtype=fp8 cannot run here (nothing when it can)
+  "$PY" - <<'EOF'
+import importlib.util, torch
+if importlib.util.find_spec("torchao") is None:
+    print("torchao is not installed")
+elif not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    print("no GPU of compute capability 8.9 or later")
+EOF
+}
+
+step_variant() {  # VARIANT: one bench_trainer.py run of bf16, fp8 or fp8mw
+  local variant=$1 dtype=bf16
+  next_label "$variant"
+  local label=$LABEL
+  local extra=()
+  [[ $variant == fp8* ]] && dtype=fp8
+  [[ $variant == fp8mw ]] && extra=(--set trainer.fp8_master_weights=true)
+  # the arms' compile cache (bf16's graphs are the arms' own) and their bytecode
+  run "step-$label" env "${BYTECODE[@]}" TORCHINDUCTOR_CACHE_DIR="$CACHE/inductor" \
+    TRITON_CACHE_DIR="$CACHE/triton" "$PY" "$HERE/bench/bench_trainer.py" "${TRAINER[@]}" --dtype "$dtype" "${extra[@]}" \
+    --out "$WORK/trainer/$label"
+}
+
+write_meta "bash bench/gpu_time_to_decision.sh $*"
+echo "== 1. arms: the machine's first, then warm (bench_startup.py)"
+run startup "$PY" "$HERE/bench/bench_startup.py" "$WORK/startup" --runs "$FIRST_RUNS" \
+  "${STARTUP[@]}" --cache "$CACHE"
+
+echo "== 2. trainer.warm_attention on warm arms: ${WARM_ORDER[*]}"
+for switch in "${WARM_ORDER[@]}"; do
+  next_label "$switch"
+  value=false
+  [[ $switch == on ]] && value=true
+  arm "warmup/$LABEL" "warmup-$LABEL" --cache "$CACHE" --warm --set "trainer.warm_attention=$value"
+done
+
+echo "== 3. one warm arm attributed (bench/startup_breakdown.py)"
+run breakdown "$PY" "$HERE/bench/bench_startup.py" "$WORK/breakdown" --runs 1 "${STARTUP[@]}" \
+  --cache "$CACHE" --warm "${BREAKDOWN[@]}"
+
+echo "== 4. the step (bench_trainer.py): ${STEP_ORDER[*]}"
+missing="" BYTECODE=()
+if ! $DRY; then
+  missing=$(fp8_missing)
+  # where the arms keep Python's bytecode (compile_cache.bytecode_env), for bench_trainer.py too
+  mapfile -t BYTECODE < <("$PY" -c 'from moe_perf.frameworks.compile_cache import bytecode_env
+for k, v in bytecode_env().items(): print(f"{k}={v}")')
+fi
+for variant in "${STEP_ORDER[@]}"; do
+  if [[ $variant == fp8* && -n $missing ]]; then
+    note "step $variant: dtype=fp8: $missing"
+    continue
+  fi
+  step_variant "$variant"
+done
+
+echo "== 5. if time is left: trainer.warm_attention on cold arms; torchtitan"
+if [[ $MODE != --smoke ]]; then
+  for switch in off on; do
+    fits 45 "cold arm, trainer.warm_attention $switch" || break
+    value=false
+    [[ $switch == on ]] && value=true
+    arm "cold/$switch-1" "cold-$switch" --cache "$WORK/cache-cold-$switch" \
+      --set "trainer.warm_attention=$value"
+  done
+  if [[ -n ${TITAN_TREE:-} && -d ${TITAN_TREE:-} ]]; then
+    fits 100 "torchtitan A/A" &&
+      run titan env MICRO=8 STEPS=10 SWEEPS=titan_aa PYTHON="$PY" \
+        bash "$HERE/bench/bench_frameworks.sh" "$TITAN_TREE" "$WORK/titan"
+  else
+    note "torchtitan: TITAN_TREE does not name a torchtitan tree"
+  fi
+fi
+publish
+$DRY || cat "$OUT/summary.md"
+echo "== done in ${SECONDS} s; work in $WORK"

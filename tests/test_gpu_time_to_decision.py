@@ -1,0 +1,121 @@
+"""bench/gpu_time_to_decision.sh on the CPU: its argument handling, its dry run (every part's
+command, whose overrides compose into the config through Hydra and bench_trainer.py's own
+parser), and (slow) its --smoke run end to end at the tiny model's shapes, which writes what
+the device brings back (at most 8 files, none below OUT/a/b)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from moe_perf.runner import schema
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_time_to_decision.sh"
+sys.path.insert(0, str(ROOT / "bench"))
+
+import bench_startup  # noqa: E402
+import bench_trainer  # noqa: E402
+
+
+def script(*args: str, **env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable, **env}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)  # fmt: skip
+
+
+def planned(stdout: str) -> dict[str, list[str]]:
+    """{label: argv} of the dry run's `+ [label] command` lines."""
+    plan = {}
+    for line in stdout.splitlines():
+        if line.startswith("+ ["):
+            label, _, command = line[3:].partition("] ")
+            plan[label] = shlex.split(command)
+    return plan
+
+
+def values_after(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == flag]
+
+
+def assert_composes(overrides: list[str]) -> None:
+    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    assert schema.unknown_keys(cfg) == [] and schema.out_of_range(cfg) == []
+
+
+@pytest.mark.parametrize("args", [[], ["out", "--bogus"], ["--dry-run"], ["a", "b", "c"]])
+def test_bad_arguments_give_the_usage_and_exit_2(args):
+    result = script(*args)
+    assert result.returncode == 2 and "usage: bash bench/gpu_time_to_decision.sh" in result.stderr
+
+
+def test_a_directory_that_holds_results_is_refused_untouched(tmp_path):
+    (tmp_path / "summary.md").write_text("earlier figures\n")
+    result = script(str(tmp_path))
+    assert result.returncode == 2 and "is not empty" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.md"]
+
+
+def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    result = script(str(out), "--dry-run", BUDGET_S="1")
+    assert result.returncode == 0, result.stderr
+    assert not out.exists()
+    plan = planned(result.stdout)
+    warm = ["warmup-off-1", "warmup-on-1", "warmup-on-2", "warmup-off-2"]
+    steps = ["step-bf16-1", "step-fp8-1", "step-fp8mw-1", "step-fp8mw-2", "step-fp8-2",
+             "step-bf16-2"]  # fmt: skip
+    assert list(plan) == ["startup", *warm, "breakdown", *steps, "cold-off", "cold-on"]
+    assert "not run: torchtitan" in result.stdout
+
+    for label in ["startup", *warm, "breakdown", "cold-off", "cold-on"]:
+        argv = plan[label]
+        assert argv[1].endswith("bench/bench_startup.py")
+        sets = dict(item.partition("=")[::2] for item in values_after(argv, "--set"))
+        shapes = {**bench_startup.SHAPES, **sets}
+        assert shapes["training.micro_batch"] == "8" and shapes["training.max_steps"] == "10"
+        assert_composes([f"{k}={v}" for k, v in shapes.items()])
+    assert all("--warm" in plan[label] for label in [*warm, "breakdown"])
+    assert "--warm" not in plan["cold-on"] and "--warm" not in plan["startup"]
+    switch = {label: dict(v.partition("=")[::2] for v in values_after(plan[label], "--set"))
+              .get("trainer.warm_attention") for label in warm}  # fmt: skip
+    assert list(switch.values()) == ["false", "true", "true", "false"]
+
+    for label in steps:
+        argv = plan[label]
+        script_at = next(i for i, a in enumerate(argv) if a.endswith("bench_trainer.py"))
+        args = bench_trainer.parse_args(argv[script_at + 1 :])
+        assert (args.layers, args.seq, args.global_batch, args.micro_batch) == (4, 2048, 32, 8)
+        assert args.dtype == ("fp8" if "fp8" in label else "bf16") and not args.eager
+        assert ("trainer.fp8_master_weights=true" in args.set) == ("fp8mw" in label)
+        assert_composes(bench_trainer.config_overrides(args))
+
+
+@pytest.mark.slow
+def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    result = script(str(out), "--smoke", WORK=str(work))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(len(p.relative_to(out).parts) <= 3 for p in files)
+    assert {p.name for p in files} >= {"summary.md", "figures.json", "breakdown.txt",
+                                       "logs.tar.gz", "run.log"}  # fmt: skip
+    fig = json.loads((out / "figures.json").read_text())
+    assert len(fig["arms"]) == 2 and all(a["arm_s"] > a["measured_s"] > 0 for a in fig["arms"])
+    ab = fig["warm_attention_ab"]
+    assert ab["on"][0]["attention_warm_up"]["error"] is None
+    assert ab["off"][0]["attention_warm_up"] is None
+    assert ab["compare"]["loss_diff"]["across"] == 0.0  # the switch leaves the numerics
+    assert fig["trainer"]["bf16"][0]["tokens_per_s"] > 0
+    page = (out / "summary.md").read_text()
+    assert "## Arms (bench_startup.py)" in page and "trainer.warm_attention" in page
+    assert "sampled stacks, step 1" in (out / "breakdown.txt").read_text()
+    assert fig["skipped"] == [] and fig["meta"]["mode"] == "--smoke"
