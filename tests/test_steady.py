@@ -120,6 +120,8 @@ def test_too_few_steps_are_not_judged():
     assert (found.first_steady_step, found.dropped, found.settled) == (2, 0, True)
     assert found.reason == "not judged: 6 measured step(s), 7 needed to tell settling"
     assert settle([], []).first_steady_step is None
+    zero = after_step_1([1.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    assert (zero.dropped, zero.settled) == (0, True) and "not a positive number" in zero.reason
     with pytest.raises(ValueError, match="3 steps but 2 step times"):
         settle([2, 3, 4], [1.0, 1.0])
 
