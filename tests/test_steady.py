@@ -17,6 +17,7 @@ import pytest
 from moe_perf.report import comparison
 from moe_perf.report.logformats import RunShape, parse_lines, parse_log
 from moe_perf.report.record import SCHEMA, load_record, record_problems, summarize
+from moe_perf.runner.arm import report as report_arm
 from moe_perf.stats.steady import BAND_FLOOR, MIN_STEPS, settle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,3 +355,15 @@ def test_comparison_flags_a_run_that_never_settled_in_plain_words():
                                                       1.0, 1.0]))  # fmt: skip
     assert unstable == ("looks unstable: step times span 30% of the median (1-1.3 s, first step "
                         "and 1 settling dropped); its numbers are less reliable")  # fmt: skip
+
+
+def test_the_arms_console_line_counts_settling_steps_and_warns_of_an_unsettled_run(capsys):
+    settling = {"status": "ok", "config": {"trainer": {}}}
+    report_arm({**settling, "summary": summarize(steps_of([24.0, 1.24] + [0.85] * 6))}, "base")
+    trending = steps_of([24.0, 1.30, 1.25, 1.20, 1.15, 1.10, 1.05, 1.00])
+    report_arm({**settling, "summary": summarize(trending)}, "feat")
+    out, err = capsys.readouterr()
+    assert "base: ok, median step 0.8500 s" in out
+    assert "(6 steps measured, step 1 and 1 settling step dropped)" in out
+    assert "(4 steps measured, step 1 and 3 settling steps dropped)" in out
+    assert err == f"[moe_perf] feat: warning: {summarize(trending)['settling']}\n"
