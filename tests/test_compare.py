@@ -196,8 +196,9 @@ def test_failed_arm_shows_reason_and_log(tmp_path):
 
 def test_repeats_median_of_medians_and_spread(tmp_path):
     # Pooling all steps would give a different median than the median of the run medians.
-    # Here: medians 0.30, 0.31, 0.32 -> 0.31; all 21 steps pooled -> 0.32.
-    base_runs = [[t] * 4 + [0.50] * 3 for t in (0.30, 0.31, 0.32)]
+    # Here: medians 0.30, 0.31, 0.32 -> 0.31; all 21 steps pooled -> 0.32. The slow steps are
+    # interleaved: a run whose last steps all jump to 0.50 has not settled (test_steady.py).
+    base_runs = [[t, 0.50] * 3 + [t] for t in (0.30, 0.31, 0.32)]
     feat_runs = [[0.42] * 7, [0.43] * 7, [0.44] * 7]
     for k, (b, f) in enumerate(zip(base_runs, feat_runs, strict=True)):
         write_arm(tmp_path, "base", flat(b), repeat=k)
@@ -206,6 +207,7 @@ def test_repeats_median_of_medians_and_spread(tmp_path):
 
     base = report["groups"][0]["arms"]["base"]
     assert base["runs_ok"] == 3
+    assert all(run["summary"]["settled"] for run in report["groups"][0]["runs"])
     assert base["step_time_s"]["median"] == pytest.approx(0.31)
     assert (base["step_time_s"]["min"], base["step_time_s"]["max"]) == pytest.approx((0.3, 0.32))
     assert report["groups"][0]["difference"]["step_time_s"]["within_spread"] is False

@@ -75,12 +75,14 @@ def test_ab_sweep_feat_is_slower(two_mesh_sweep):
         assert not (arm_dir / "torchrun").exists()
         rec = record(arm_dir)
         assert rec["environment"]["world_size"] == 1
-        assert rec["schema"] == "moe_perf.arm/1" and rec["status"] == "ok"
+        assert rec["schema"] == "moe_perf.arm/2" and rec["status"] == "ok"
         assert (rec["model"], rec["tag"], rec["arm"], rec["exit_code"]) == ("tiny", TAG, arm, 0)
         assert rec["sha"] == shas[arm]
         assert rec["ref"] == {"base": "main", "feat": "feature"}[arm]
         assert [s["step"] for s in rec["steps"]] == [1, 2, 3, 4, 5, 6]
-        assert rec["summary"]["steps_measured"] == 5
+        # 6 steps: too few to judge settling, so step 1 alone is dropped
+        assert rec["summary"]["steps_measured"] == 5 and rec["summary"]["steps_settling"] == 0
+        assert rec["summary"]["settled"] is True
         assert rec["environment"]["world_size"] == 1 and rec["environment"]["torch"]
         assert rec["config"]["training"]["max_steps"] == 6
         assert f"[{arm}] step 3/6" in result.stdout

@@ -431,7 +431,7 @@ def test_compare_skips_a_record_of_wrong_types_with_a_note(swept_repo):
                          capture_output=True, text=True, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stdout + out.stderr
-    assert f"skipped {bad_dir / 'metrics.json'}: not a moe_perf.arm/1 record: summary is " in (
+    assert f"skipped {bad_dir / 'metrics.json'}: not a moe_perf.arm/2 record: summary is " in (
         out.stdout
     )
     assert 'steps[0].step is "1", not int' in out.stdout

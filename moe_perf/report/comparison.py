@@ -41,7 +41,8 @@ MIN_STEPS_TO_JUDGE = 3
 
 
 def stability_warning(steps: list[dict]) -> str | None:
-    """A plain sentence when the run's step times spread too much to trust its median."""
+    """A plain sentence when the run's measured step times (step 1 and the settling steps
+    dropped) spread too much to trust its median."""
     times = [s["step_time_s"] for s in measured_steps(steps) if s.get("step_time_s") is not None]
     if len(times) < MIN_STEPS_TO_JUDGE:
         return f"only {len(times)} measured step(s): too few to judge stability"
@@ -49,9 +50,11 @@ def stability_warning(steps: list[dict]) -> str | None:
     spread = (high - low) / mid if mid > 0 else 0.0
     if spread <= UNSTABLE_SPREAD:
         return None
+    settling = summarize(steps)["steps_settling"]
+    dropped = "first step" + (f" and {settling} settling" if settling else "")
     return (
         f"looks unstable: step times span {spread:.0%} of the median "
-        f"({low:.4g}-{high:.4g} s, first step dropped); its numbers are less reliable"
+        f"({low:.4g}-{high:.4g} s, {dropped} dropped); its numbers are less reliable"
     )
 
 
@@ -165,6 +168,7 @@ def environment_differences(records: list[dict]) -> list[str]:
 def _run_entry(record: dict) -> dict:
     steps = record.get("steps") or []
     ok = record.get("status") == "ok"
+    summary = summarize(steps) if steps else (record.get("summary") or {})
     return {
         "arm": record.get("arm"),
         "repeat": record.get("repeat", 0),
@@ -175,8 +179,10 @@ def _run_entry(record: dict) -> dict:
         "ref": record.get("ref"),
         "log": record.get("log"),
         "metrics_json": record.get("_path"),
-        "summary": summarize(steps) if steps else (record.get("summary") or {}),
+        "summary": summary,
         "unstable": stability_warning(steps) if ok else None,
+        # the steady-state rule's words for a run that never settled: a verdict says so
+        "unsettled": summary.get("settling") if ok and summary.get("settled") is False else None,
         "step_times": [[s["step"], s.get("step_time_s")] for s in steps],
     }
 

@@ -1,9 +1,14 @@
-"""One arm's record, `metrics.json` (schema `moe_perf.arm/1`): per-step samples, the summary,
+"""One arm's record, `metrics.json` (schema `moe_perf.arm/2`): per-step samples, the summary,
 the arm's commit, its exit status and the environment. Humans get a table (compare.py);
 machines get this file.
 
 `summarize(steps)` is the one summary rule (compare.py uses it too): step 1 dropped (warm-up,
-compilation), medians of the remaining steps, peak memory as their maximum.
+compilation), then the leading steps still settling (moe_perf.stats.steady), medians of the
+remaining steps, peak memory as their maximum. The summary says how many steps settled and
+whether the run settled at all.
+
+Schema /2 added the settling keys to the summary (`steps_settling`, `settled`, `settling`);
+a /1 record (step 1 alone dropped) is read with its summary recomputed from its steps.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from moe_perf.common.contract import METRICS
+from moe_perf.stats.steady import Settling, settle
 
-SCHEMA = "moe_perf.arm/1"
+SCHEMA = "moe_perf.arm/2"
+# Every version this code reads; /1 summaries dropped step 1 alone (recomputed when read).
+SCHEMAS_READ = ("moe_perf.arm/1", SCHEMA)
 ARMS = ("base", "feat")
 STEP_KEYS = ("step", *METRICS)
 # summarized by their median; peak memory by its maximum; loss is shown per step only
@@ -40,19 +48,37 @@ def _maximum(values: Iterable[float | None]) -> float | None:
     return max(known) if known else None
 
 
+def settling(steps: list[dict]) -> tuple[list[dict], Settling]:
+    """(the steps a summary uses, the settling found): step 1 dropped, then the leading steps
+    the steady-state rule finds still settling, judged by the step times that are known."""
+    after_first = sorted(steps, key=lambda s: s["step"])[1:]
+    timed = [s for s in after_first if s.get("step_time_s") is not None]
+    found = settle([s["step"] for s in timed], [s["step_time_s"] for s in timed])
+    if not found.dropped:
+        return after_first, found
+    return [s for s in after_first if s["step"] >= found.first_steady_step], found
+
+
 def measured_steps(steps: list[dict]) -> list[dict]:
-    """The steps a summary uses: all but the first, in step order."""
-    return sorted(steps, key=lambda s: s["step"])[1:]
+    """The steps a summary uses, in step order: step 1 and the settling steps dropped."""
+    return settling(steps)[0]
 
 
 def summarize(steps: list[dict]) -> dict:
-    """Medians of the measured steps (first dropped); peak memory is their maximum.
+    """Medians of the measured steps (step 1 and the settling steps dropped); peak memory is
+    their maximum. `steps_settling` counts the steps dropped after step 1; `settled` is False
+    for a run that never settled; `settling` says why, in words (None: nothing to say).
 
     Values a trainer left empty (unknown) are skipped, never read as 0; a metric nobody
     reported is None.
     """
-    measured = measured_steps(steps)
-    summary: dict = {"steps_measured": len(measured)}
+    measured, found = settling(steps)
+    summary: dict = {
+        "steps_measured": len(measured),
+        "steps_settling": max(len(steps) - 1, 0) - len(measured),
+        "settled": found.settled,
+        "settling": found.reason or None,
+    }
     for key in MEDIAN_METRICS:
         summary[key] = _median(s.get(key) for s in measured)
     summary["peak_mem_gib"] = _maximum(s.get("peak_mem_gib") for s in measured)
@@ -148,7 +174,7 @@ def config_differences(configs: dict[str, dict]) -> list[dict]:
     return differences
 
 
-# What each key of an arm record holds (schema moe_perf.arm/1); `None` allowed where listed.
+# What each key of an arm record holds (schema moe_perf.arm/2); `None` allowed where listed.
 _NUMBER = (int, float)
 RECORD_TYPES: dict[str, tuple[tuple, bool]] = {  # key: (types, may be null)
     "schema": ((str,), False),
@@ -167,25 +193,31 @@ RECORD_TYPES: dict[str, tuple[tuple, bool]] = {  # key: (types, may be null)
     "environment": ((dict,), True),
     "config": ((dict,), True),
 }
+# The summary's keys that hold no number; every other summary key is a number or null.
+SUMMARY_TYPES: dict[str, tuple[tuple, bool]] = {
+    "settled": ((bool,), False),
+    "settling": ((str,), True),
+}
 
 
 def _type_problem(where: str, value: object, types: tuple, nullable: bool) -> str | None:
     if value is None and nullable:
         return None
-    if isinstance(value, bool) or not isinstance(value, types):  # a bool is no number
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        # a bool is an int to Python, but no number here
         want = " or ".join(t.__name__ for t in types) + (" or null" if nullable else "")
         return f"{where} is {json.dumps(value, default=str)[:40]}, not {want}"
     return None
 
 
 def record_problems(record: object) -> list[str]:
-    """Why `record` is not an arm record of schema moe_perf.arm/1 ([] when it is one): the
+    """Why `record` is not an arm record of a schema this code reads ([] when it is one): the
     keys the comparison reads, with their types, and each step's number and metrics."""
     if not isinstance(record, dict):
         return [f"the file holds a JSON {type(record).__name__}, not an object"]
     schema = record.get("schema")
-    if not isinstance(schema, str) or not schema.startswith("moe_perf.arm/"):
-        return [f"schema {schema!r} is not {SCHEMA}"]
+    if schema not in SCHEMAS_READ:  # a later version's record included: its summary may differ
+        return [f"schema {schema!r} is not one this moe_perf reads ({', '.join(SCHEMAS_READ)})"]
     problems = []
     for key, (types, nullable) in RECORD_TYPES.items():
         if key not in record:
@@ -206,9 +238,19 @@ def record_problems(record: object) -> list[str]:
         problems += filter(None, (_type_problem(f"steps[{i}].{key}", step.get(key), _NUMBER, True)
                                   for key in METRICS))  # fmt: skip
     summary = record.get("summary") if isinstance(record.get("summary"), dict) else {}
-    problems += filter(None, (_type_problem(f"summary.{key}", summary.get(key), _NUMBER, True)
-                              for key in summary))  # fmt: skip
+    problems += filter(None, (_type_problem(f"summary.{key}", value,
+                                            *SUMMARY_TYPES.get(key, (_NUMBER, True)))
+                              for key, value in summary.items()))  # fmt: skip
     return problems
+
+
+def _read_as_current(record: dict) -> dict:
+    """An older record's summary recomputed from its steps by today's rule (a /1 summary
+    dropped step 1 alone); `summary_recomputed` says so. Without steps it stays as written."""
+    if record["schema"] != SCHEMA and record["steps"]:
+        record["summary"] = summarize(record["steps"])
+        record["summary_recomputed"] = f"from the steps of a {record['schema']} record"
+    return record
 
 
 def load_record(path: Path) -> tuple[dict | None, str | None]:
@@ -222,7 +264,7 @@ def load_record(path: Path) -> tuple[dict | None, str | None]:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         return None, f"skipped {path}: not a {SCHEMA} record: {'; '.join(problems[:3])}{more}"
     record["_path"] = str(path)
-    return record, None
+    return _read_as_current(record), None
 
 
 def arm_record(
@@ -240,7 +282,7 @@ def arm_record(
     trainer_wall_s: float,
     extra: dict | None = None,
 ) -> dict:
-    """The metrics.json of one arm (schema moe_perf.arm/1)."""
+    """The metrics.json of one arm (schema SCHEMA)."""
     stored_steps = [step_record(s) for s in steps]
     world = int(config["mesh"]["nnodes"]) * int(config["mesh"]["nproc_per_node"])
     return {

@@ -116,6 +116,8 @@ def _group_lines(group: dict) -> list[str]:
             lines.append(f"- {name} FAILED: {why}; log: {run['log']}")
         elif run["unstable"]:
             lines.append(f"- Warning: {name} {run['unstable']}")
+        if run["status"] == "ok" and run.get("unsettled"):
+            lines.append(f"- Warning: {name} {run['unsettled']}")
     return lines
 
 

@@ -156,11 +156,18 @@ def report(record: dict, label: str) -> None:
         say(f"{label}: ok, median step {shown(s['step_time_s'], '.4f')} s, "
             f"{shown(s['tokens_per_s'], ',.0f')} tokens/s, peak "
             f"{shown(s['peak_mem_gib'], '.2f')} GiB ({s['steps_measured']} steps measured, "
-            f"step 1 dropped)")  # fmt: skip
+            f"step 1{_settling_words(s)} dropped)")  # fmt: skip
+        if not s["settled"]:
+            say(f"{label}: warning: {s['settling']}", sys.stderr)
         if record.get("compile_cache") and record["config"]["trainer"].get("compile"):
             say(f"{label}: {compile_cache.describe(record['compile_cache'])}")
     else:
         say(f"{label}: FAILED: {record['failure']} (log: {record['log']})", sys.stderr)
+
+
+def _settling_words(summary: dict) -> str:
+    settling = summary["steps_settling"]
+    return f" and {settling} settling step{'s' if settling > 1 else ''}" if settling else ""
 
 
 def log_to_wandb(record: dict, arm_dir: Path, cfg: DictConfig) -> None:

@@ -6,7 +6,7 @@ written, so wandb's start-up and network never touch a measured step)::
     from moe_perf.runner.wandb_log import log_arm
     run_dir = log_arm(record, arm_dir, wandb_cfg)   # -> str | None, never raises
 
-* `record`: the arm's metrics.json dict (schema moe_perf.arm/1): model, tag, arm, repeat, sha,
+* `record`: the arm's metrics.json dict (schema moe_perf.arm/2): model, tag, arm, repeat, sha,
   ref, status, steps, summary, environment, config.
 * `arm_dir`: the arm's directory; wandb writes under `<arm_dir>/wandb/`.
 * `wandb_cfg`: the config's `wandb` block (a dict or DictConfig): `mode` (`auto` | `online` |
@@ -20,7 +20,8 @@ written, so wandb's start-up and network never touch a measured step)::
 The run: group `performance/<model>` (all meshes of a model side by side, apart from
 correctness runs), name `<tag>-<arm>` (`-r<k>` with repeats, as the arm directory), config =
 the resolved config with secrets redacted, one wandb step per training step, and the arm's
-summary (medians, first step dropped) in the run summary.
+summary (medians, step 1 and the settling steps dropped; whether the run settled) in the
+run summary.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from urllib.parse import urlparse
 
 MODES = ("auto", "online", "offline", "disabled")
 STEP_METRICS = ("step_time_s", "tokens_per_s", "peak_mem_gib", "loss", "tflops", "mfu")
-SUMMARY_METRICS = ("steps_measured", "step_time_s", "tokens_per_s", "peak_mem_gib", "tflops", "mfu")
+SUMMARY_METRICS = ("steps_measured", "steps_settling", "settled", "step_time_s", "tokens_per_s",
+                   "peak_mem_gib", "tflops", "mfu")  # fmt: skip
 REDACTED = "<redacted>"
 # Config keys whose values are never logged, whatever they hold.
 _SECRET_KEY_RE = re.compile(r"(api_?key|token|secret|password)", re.IGNORECASE)
