@@ -318,6 +318,9 @@ def compare_group(model: str, tag: str, records: list[dict], plan: Plan | None =
         group["plan"] = {**used.__dict__, "memory_tolerance": memory_tolerance(records)}
         group["pairs"] = len(paired_runs(runs))
         group["verdict"] = verdicts(runs, used, group["plan"]["memory_tolerance"])
+        # a run that never settled still counts (its median is all there is), said with the verdict
+        group["unsettled_runs"] = [f"{b['arm']} r{b['repeat']}" for pair in paired_runs(runs)
+                                   for b in pair if b.get("unsettled")]  # fmt: skip
     section = explain.explain_group(records)  # None unless explain=true or traces exist
     if section is not None:
         group["explain"] = section

@@ -86,6 +86,10 @@ def _verdict_lines(group: dict) -> list[str]:
         sentence = verdict_sentence(group, key)
         if sentence:
             lines.append(f"- **{name}**: {sentence}")
+    if group.get("unsettled_runs"):
+        runs = ", ".join(group["unsettled_runs"])
+        lines.append(f"- Note: {runs} never settled (below); the verdict uses their medians "
+                     "all the same: more steps (training.max_steps) would settle them")  # fmt: skip
     return lines
 
 
