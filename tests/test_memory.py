@@ -133,7 +133,8 @@ def test_fp8_over_master_weights_is_estimated_as_bf16():
     masters, a bf16 residual stream) on one rank: the same estimate; without it fp8 keeps
     autocast's fp32 residual stream; under FSDP the switch changes nothing."""
     raw = bench_config("qwen3-30b-a3b", 4, 32, 8)
-    fp8 = {**raw, "dtype": {"name": "fp8", "fp8": True}}
+    fp8 = {**raw, "dtype": {"name": "fp8", "fp8": True},
+           "trainer": {**raw["trainer"], "fp8_master_weights": False}}  # fmt: skip
     switched = {**fp8, "trainer": {**raw["trainer"], "fp8_master_weights": True}}
 
     def estimate(config: dict, **mesh) -> memory.MemoryEstimate:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_train_single import write_config
 
-from moe_perf.common.config import load_config
+from moe_perf.common.config import TrainerConfig, load_config
 from moe_perf.trainer import runtime, train
 
 SHAPES = ["training.global_batch=4", "training.micro_batch=2", "training.max_steps=2"]
@@ -96,8 +96,9 @@ def test_the_warm_up_makes_the_models_own_attention_call_in_its_thread(tmp_path,
 
 
 def test_off_starts_no_thread_and_makes_no_call(tmp_path, sdpa_calls):
-    tr, started = built(tmp_path, "bf16")
-    assert tr.cfg.trainer.warm_attention is False  # the default
+    assert TrainerConfig().warm_attention is True  # the default, measured on an H100
+    tr, started = built(tmp_path, "bf16", "trainer.warm_attention=false")
+    assert tr.cfg.trainer.warm_attention is False
     assert runtime.WARM_ATTENTION_THREAD not in started
     assert sdpa_calls.calls == [] and tr.attention_warm_up is None
 

@@ -212,13 +212,14 @@ class TrainerConfig:
     # steps run under torch.profiler after the measured ones (0 = off), not counted in the
     # step lines: <arm_dir>/explain/ (set by the runner when explain=true)
     explain_steps: int = knob(0, min=0)
-    # switches of start-up and step changes awaiting a GPU A/B (off: the trainer as measured)
     # one attention forward and backward at the step's shapes in a thread while the model is
-    # built, so cuDNN's first use leaves step 1 (runtime.warm_attention_in_background)
-    warm_attention: bool = False
+    # built, so cuDNN's first use leaves step 1 (runtime.warm_attention_in_background): step 1
+    # 2.60 -> 1.63 s, a warm arm 10.59 -> 10.22 s on an H100, losses unchanged
+    warm_attention: bool = True
     # dtype=fp8 on one data x context rank: bf16 compute weights over fp32 masters, as bf16
-    # has (Config.master_weights), instead of autocast over fp32 weights
-    fp8_master_weights: bool = False
+    # has (Config.master_weights), instead of autocast over fp32 weights: fp8 121,200 ->
+    # 133,600 tokens/s on an H100 (bf16: 132,500), 2 GiB more peak memory
+    fp8_master_weights: bool = True
 
     def __post_init__(self):
         self.activation_checkpointing = ac_mode(self.activation_checkpointing)
