@@ -1,0 +1,106 @@
+"""The interval of feat against base from paired run medians: one home for the arithmetic.
+
+Legend: arrays are (S, n): S comparisons at once (S=1 for one comparison, many in the
+simulation), n pairs each; everything is on the log scale, d = ln(feat/base).
+
+The estimator (docs/design.md, "The verdict"): the two-period crossover's analysis with a trim.
+Pairs run in ABBA order, so each pair belongs to one of two orders (base first, feat first).
+A second-arm bias b (the second run of a pair faster) and a linear drift both enter d as +b in
+one order and -b in the other. Half the difference of the two orders' median log-ratios
+estimates b; removing it leaves order-balanced log-ratios, whose trimmed mean is the estimate
+and whose winsorized spread gives Yuen's (Tukey-McLaughlin) standard error, with one degree of
+freedom spent on the order. No trimming below TRIM_FROM pairs (see there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+# Trimming one pair per side costs two degrees of freedom and, at a handful of pairs, makes
+# Yuen's interval liberal in the far tails that sequential looks use (simulated: the false-alarm
+# rate at 6 pairs is 1.4-1.7x the nominal one, at 8 pairs 1.2-1.5x, at 10 and above 1.1-1.3x;
+# docs/verdict.md). Below this count one outlying pair widens the interval (UNKNOWN, never a
+# wrong word); from here it is trimmed.
+TRIM_FROM = 8
+
+
+def abba(pairs: int) -> np.ndarray:
+    """Which pairs run feat first: pair 0 base then feat, pair 1 feat then base, and so on."""
+    return np.arange(pairs) % 2 == 1
+
+
+def trim_per_side(pairs: int) -> int:
+    """Pairs trimmed on each side: one from TRIM_FROM pairs, 10% from 20 pairs on."""
+    return 0 if pairs < TRIM_FROM else max(1, pairs // 10)
+
+
+@dataclass(frozen=True)
+class LogRatioFit:
+    """The estimate of ln(feat/base) and its standard error, S comparisons at once."""
+
+    estimate: np.ndarray  # (S,)
+    se: np.ndarray  # (S,); 0 where every pair agrees
+    df: int  # degrees of freedom of the t quantile; 0: no spread to measure
+    trimmed: int  # pairs trimmed on each side
+    order_modelled: bool  # True: the second-arm bias was estimated and removed
+
+    def half_width(self, alpha: float) -> np.ndarray:
+        """Half-width of the two-sided (1 - alpha) t interval, inf where there is no spread."""
+        if self.df < 1 or alpha <= 0:
+            return np.full_like(self.estimate, np.inf)
+        return stats.t.ppf(1 - alpha / 2, self.df) * self.se
+
+
+def fit(d: np.ndarray, feat_first: np.ndarray) -> LogRatioFit:
+    """The order-balanced, trimmed mean of log-ratios `d` (S, n) with its standard error."""
+    n = d.shape[1]
+    signs = _order_signs(feat_first)
+    balanced, factor = _remove_order(d, signs) if signs is not None else (d, 1.0)
+    g = trim_per_side(n)
+    estimate, winsorized_ss = _trimmed_and_winsorized(balanced, g)
+    kept = n - 2 * g
+    df = kept - (2 if signs is not None else 1)
+    se = np.sqrt(factor * winsorized_ss / (kept * df)) if df >= 1 else np.full(len(d), np.inf)
+    return LogRatioFit(estimate, se, max(df, 0), g, signs is not None)
+
+
+def _order_signs(feat_first: np.ndarray) -> np.ndarray | None:
+    """+1 for feat-first pairs, -1 for base-first; None when the order cannot be estimated.
+
+    Two pairs leave no spread once the order is estimated; a sweep run in one order only
+    (no ABBA) cannot tell a second-arm bias from the change, so it goes in the estimate.
+    """
+    feat_first = np.asarray(feat_first, dtype=bool)
+    if len(feat_first) < 3 or feat_first.all() or not feat_first.any():
+        return None
+    return np.where(feat_first, 1.0, -1.0)
+
+
+def _remove_order(d: np.ndarray, signs: np.ndarray) -> tuple[np.ndarray, float]:
+    """Log-ratios with the order effect removed, and the variance factor of the balanced mean.
+
+    The factor n(1/n_feat_first + 1/n_base_first)/4 is the crossover's: 1 with as many pairs in
+    each order, 9/8 with three pairs (two in one order, one in the other).
+    """
+    first, second = signs > 0, signs < 0
+    half_bias = (np.median(d[:, first], axis=1) - np.median(d[:, second], axis=1)) / 2
+    n = len(signs)
+    factor = n * (1 / first.sum() + 1 / second.sum()) / 4
+    return d - half_bias[:, None] * signs, float(factor)
+
+
+def _trimmed_and_winsorized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """The g-per-side trimmed mean and the winsorized sum of squares about its own mean.
+
+    scipy's trim_mean and mstats.winsorize agree with these (tests/test_verdict.py); the
+    masked-array winsorize costs 25 ms on 1,000 comparisons, this one sort 0.3 ms.
+    """
+    n = a.shape[1]
+    ordered = np.sort(a, axis=1)
+    trimmed_mean = ordered[:, g : n - g].mean(axis=1)
+    winsorized = np.clip(ordered, ordered[:, [g]], ordered[:, [n - g - 1]])
+    ss = ((winsorized - winsorized.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
+    return trimmed_mean, ss
