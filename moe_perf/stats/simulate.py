@@ -4,8 +4,9 @@ A sweep draws its run medians as
     level * exp(change * [feat] + offset + drift * run + bias * [second of its pair] + outlier)
 with a per-run offset N(0, sigma), a slow drift over the run index (linear, or a random walk),
 a second-arm bias on the second run of each pair (ABBA order: pair 0 base then feat, pair 1
-feat then base, ...), and an occasional outlying (slow) run. Pairs are added exactly as the sweeper adds them: verdict.look
-after each pair, verdict.undecided as the stopping rule (keep_adding's elementwise form).
+feat then base, ...), and an occasional outlying (slow) run. Pairs are added exactly as the
+sweeper adds them: verdict.look after each pair, verdict.undecided as the stopping rule
+(keep_adding's elementwise form).
 Vectorized over sweeps: a thousand sweeps of ten pairs take about 10 ms.
 """
 
