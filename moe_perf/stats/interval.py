@@ -6,10 +6,11 @@ simulation), n pairs each; everything is on the log scale, d = ln(feat/base).
 The estimator (docs/design.md, "The verdict"): the two-period crossover's analysis with a trim.
 Pairs run in ABBA order, so each pair belongs to one of two orders (base first, feat first).
 A second-arm bias b (the second run of a pair faster) and a linear drift both enter d as +b in
-one order and -b in the other. Half the difference of the two orders' median log-ratios
-estimates b; removing it leaves order-balanced log-ratios, whose trimmed mean is the estimate
-and whose winsorized spread gives Yuen's (Tukey-McLaughlin) standard error, with one degree of
-freedom spent on the order. No trimming below TRIM_FROM pairs (see there).
+one order and -b in the other. Half the difference of the two orders' mean (when trimming:
+median) log-ratios estimates b; removing it leaves order-balanced log-ratios, whose trimmed
+mean is the estimate and whose winsorized spread gives Yuen's (Tukey-McLaughlin) standard
+error, with one degree of freedom spent on the order. No trimming below TRIM_FROM pairs: there
+it is the crossover's t-interval.
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def fit(d: np.ndarray, feat_first: np.ndarray) -> LogRatioFit:
     """The order-balanced, trimmed mean of log-ratios `d` (S, n) with its standard error."""
     n = d.shape[1]
     signs = _order_signs(feat_first)
-    balanced, factor = _remove_order(d, signs) if signs is not None else (d, 1.0)
     g = trim_per_side(n)
+    balanced, factor = _remove_order(d, signs, robust=g > 0) if signs is not None else (d, 1.0)
     estimate, winsorized_ss = _trimmed_and_winsorized(balanced, g)
     kept = n - 2 * g
     df = kept - (2 if signs is not None else 1)
@@ -79,14 +80,18 @@ def _order_signs(feat_first: np.ndarray) -> np.ndarray | None:
     return np.where(feat_first, 1.0, -1.0)
 
 
-def _remove_order(d: np.ndarray, signs: np.ndarray) -> tuple[np.ndarray, float]:
+def _remove_order(d: np.ndarray, signs: np.ndarray, robust: bool) -> tuple[np.ndarray, float]:
     """Log-ratios with the order effect removed, and the variance factor of the balanced mean.
 
-    The factor n(1/n_feat_first + 1/n_base_first)/4 is the crossover's: 1 with as many pairs in
-    each order, 9/8 with three pairs (two in one order, one in the other).
+    Untrimmed, the order effect is half the difference of the orders' means: the fit is then
+    least squares of d on [1, order sign], the crossover's exact t-interval under normal noise.
+    Trimmed, it is half the difference of their medians, so that the pair to be trimmed does
+    not first shift every other pair of its order. The factor n(1/n_feat_first +
+    1/n_base_first)/4 is the crossover's: 1 with as many pairs in each order, 9/8 with three.
     """
     first, second = signs > 0, signs < 0
-    half_bias = (np.median(d[:, first], axis=1) - np.median(d[:, second], axis=1)) / 2
+    centre = np.median if robust else np.mean
+    half_bias = (centre(d[:, first], axis=1) - centre(d[:, second], axis=1)) / 2
     n = len(signs)
     factor = n * (1 / first.sum() + 1 / second.sum()) / 4
     return d - half_bias[:, None] * signs, float(factor)
@@ -104,3 +109,26 @@ def _trimmed_and_winsorized(a: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarr
     winsorized = np.clip(ordered, ordered[:, [g]], ordered[:, [n - g - 1]])
     ss = ((winsorized - winsorized.mean(axis=1, keepdims=True)) ** 2).sum(axis=1)
     return trimmed_mean, ss
+
+
+def far_pair(d: np.ndarray, feat_first: np.ndarray) -> int | None:
+    """The pair lying far from the others, if one does: a hint for the reason, not a decision.
+
+    Far: its log-ratio's distance from its order's median is more than FAR times the others'
+    median distance. Below TRIM_FROM such a pair widens the interval; the user is told which.
+    """
+    if len(d) < 3:
+        return None
+    order = np.asarray(feat_first, dtype=bool)
+    groups = [order, ~order] if order.any() and (~order).any() else [np.ones_like(order)]
+    distance = np.zeros(len(d))
+    for members in groups:
+        distance[members] = np.abs(d[members] - np.median(d[members]))
+    i = int(distance.argmax())
+    others = np.median(np.delete(distance, i))
+    return i if distance[i] > FAR * others else None
+
+
+# A pair is called far when it is this many times further from its order's median than the
+# others' median distance (about 5.4 standard deviations of normal noise).
+FAR = 8.0

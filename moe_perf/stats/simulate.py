@@ -12,12 +12,18 @@ Vectorized over sweeps: a thousand sweeps of ten pairs take about 10 ms.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from moe_perf.stats.interval import abba
-from moe_perf.stats.verdict import DIFFERENT, SAME, UNKNOWN, Plan, look, undecided
+from moe_perf.stats.verdict import DIFFERENT, SAME, UNKNOWN, Look, Plan, look, undecided
+
+# A decision rule as the sweeper sees it: log-ratios (S, n), which pairs ran feat first, the
+# plan -> the words. verdict.look is the one moe_perf uses; bench/verdict_table.py passes others
+# to compare them on the same sweeps.
+Rule = Callable[[np.ndarray, np.ndarray, Plan], Look]
 
 WORDS = (SAME, DIFFERENT, UNKNOWN)
 
@@ -84,7 +90,9 @@ def run_medians(
     return case.level * np.exp(log_base), case.level * np.exp(log_feat)
 
 
-def simulate(case: Case, plan: Plan, sweeps: int = 1000, seed: int = 0) -> Outcome:
+def simulate(
+    case: Case, plan: Plan, sweeps: int = 1000, seed: int = 0, rule: Rule = look
+) -> Outcome:
     """Run `sweeps` sweeps of `case` under `plan`; the same seed gives the same outcome."""
     base, feat = run_medians(case, plan.max_pairs, sweeps, np.random.default_rng(seed))
     d = np.log(feat) - np.log(base)
@@ -93,7 +101,7 @@ def simulate(case: Case, plan: Plan, sweeps: int = 1000, seed: int = 0) -> Outco
     pairs_used = np.zeros(sweeps, dtype=int)
     going = np.ones(sweeps, dtype=bool)
     for n in range(1, plan.max_pairs + 1):
-        seen = look(d[going, :n], feat_first[:n], plan)
+        seen = rule(d[going, :n], feat_first[:n], plan)
         idx = np.flatnonzero(going)
         words[idx], pairs_used[idx] = seen.words, n
         going[idx] = undecided(seen.words, n, plan)
