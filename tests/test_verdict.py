@@ -105,7 +105,7 @@ def test_trimmed_interval_is_yuens_from_scipys_trim_mean_and_winsorize():
         s2 = np.var(np.asarray(stats.mstats.winsorize(d, limits=(g / n, g / n))), ddof=1)
         se = math.sqrt((n - 1) * s2 / (h * (h - 1)))
         got = fit(d[None, :], np.zeros(n, dtype=bool))
-        assert (got.trimmed, got.df) == (g, h - 1)
+        assert (got.trimmed, got.df) == (g, h - 1 - g)  # one more per trimmed pair
         assert got.estimate[0] == pytest.approx(est, rel=1e-12)
         assert got.se[0] == pytest.approx(se, rel=1e-9)
 
@@ -181,7 +181,7 @@ def test_unknown_says_about_how_many_more_pairs_would_decide_it():
 
 def test_at_max_pairs_unknown_names_the_override_that_would_decide_it():
     rng = np.random.default_rng(6)
-    v = decide(*medians(rng.normal(0, 0.015 * math.sqrt(2), 10)))
+    v = decide(*medians(rng.normal(0, 0.015 * math.sqrt(2), 10)), Plan(max_pairs=10))
     assert v.word == UNKNOWN
     assert "stopped at compare.max_pairs=10" in v.reason
     assert f"(compare.max_pairs={10 + v.more_pairs})" in v.reason

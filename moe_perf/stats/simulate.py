@@ -95,17 +95,48 @@ def simulate(
 ) -> Outcome:
     """Run `sweeps` sweeps of `case` under `plan`; the same seed gives the same outcome."""
     base, feat = run_medians(case, plan.max_pairs, sweeps, np.random.default_rng(seed))
+    words, pairs_used = sweep(base, feat, plan, rule)
+    rates = {w: float(np.mean(words == w)) for w in WORDS}
+    return Outcome(case, plan, sweeps, rates, float(pairs_used.mean()))
+
+
+def sweep(
+    base: np.ndarray, feat: np.ndarray, plan: Plan, rule: Rule = look
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each sweep's last word and pairs used: a pair added while verdict.undecided says so."""
+    sweeps, pairs = base.shape
     d = np.log(feat) - np.log(base)
-    feat_first = abba(plan.max_pairs)
+    feat_first = abba(pairs)
     words = np.full(sweeps, UNKNOWN, dtype=object)
     pairs_used = np.zeros(sweeps, dtype=int)
     going = np.ones(sweeps, dtype=bool)
-    for n in range(1, plan.max_pairs + 1):
+    for n in range(1, min(pairs, plan.max_pairs) + 1):
         seen = rule(d[going, :n], feat_first[:n], plan)
         idx = np.flatnonzero(going)
         words[idx], pairs_used[idx] = seen.words, n
         going[idx] = undecided(seen.words, n, plan)
         if not going.any():
             break
-    rates = {w: float(np.mean(words == w)) for w in WORDS}
-    return Outcome(case, plan, sweeps, rates, float(pairs_used.mean()))
+    return words, pairs_used
+
+
+# The measured A/A spreads of one run's median, relative to the step (the verdict's design
+# cases): the reference trainer about 0.3%, torchtitan about 1.5%, Megatron-LM about 10%.
+SIGMAS = {"reference trainer": 0.003, "torchtitan": 0.015, "Megatron-LM": 0.10}
+
+
+def nuisances(sigma: float) -> dict[str, dict]:
+    """The nuisances each design case is run with and without, as Case fields.
+
+    Outliers: one run in 20 slow by 10 sigma (a run on a disturbed machine). Drift: 0.2% per
+    run, 4.8% over 12 pairs. Random walk: half a sigma per run. Second-arm bias: 3%, the
+    middle of the 2-6% that CPU A/As showed.
+    """
+    each = {
+        "outliers": {"outlier_rate": 0.05, "outlier_size": 10 * sigma},
+        "drift": {"drift_per_run": 0.002},
+        "random walk": {"wander_per_run": sigma / 2},
+        "second-arm bias": {"second_arm_bias": 0.03},
+    }
+    combined = {k: v for fields in each.values() for k, v in fields.items()}
+    return {"none": {}, **each, "all at once": combined}
