@@ -112,15 +112,14 @@ def test_trimmed_interval_is_yuens_from_scipys_trim_mean_and_winsorize():
 
 def test_one_outlying_run_is_trimmed_from_trim_from_pairs():
     """A run 65% slow among pairs 2% apart: below TRIM_FROM it widens the interval (UNKNOWN,
-    not a wrong word); at TRIM_FROM it is trimmed and the change is read."""
-    d = [0.020, 0.021, 0.019, 0.50, 0.020, 0.022, 0.018, 0.021]
-    assert len(d) == TRIM_FROM
-    before = decide(*medians(d[:-1]))
+    not a wrong word, and the reason names the pair); at TRIM_FROM it is trimmed."""
+    d = [0.020, 0.021, 0.019, 0.50, 0.020, 0.022, 0.018, 0.021, 0.019, 0.020, 0.021, 0.020]
+    before = decide(*medians(d[: TRIM_FROM - 1]))
     assert (before.word, before.trimmed) == (UNKNOWN, 0)
     assert "pair #3 lies far from the others" in before.reason
-    after = decide(*medians(d))
+    after = decide(*medians(d[:TRIM_FROM]))
     assert (after.word, after.trimmed, after.beyond_effect) == (DIFFERENT, 1, True)
-    assert after.estimate == pytest.approx(0.0206, abs=0.001)
+    assert after.estimate == pytest.approx(0.0204, abs=0.001)
 
 
 # --- the words -------------------------------------------------------------------------------
@@ -307,10 +306,10 @@ def test_describe_different_same_and_unknown():
 
 
 def test_describe_reads_a_real_verdict_with_its_trim_and_confidence():
-    d = [0.020, 0.021, 0.019, 0.50, 0.020, 0.022, 0.018, 0.021]
+    d = [0.020, 0.021, 0.019, 0.50, 0.020, 0.022, 0.018, 0.021, 0.019, 0.020]
     text = describe(decide(*medians(d), Plan(confidence=0.999)), "slower", "faster")
-    assert text.startswith("2.1% slower (99.9% CI ")
-    assert text.endswith(", 8 pairs, 1 trimmed each side): DIFFERENT, beyond the 1% effect")
+    assert text.startswith("2.0% slower (99.9% CI ")
+    assert text.endswith(", 10 pairs, 1 trimmed each side): DIFFERENT, beyond the 1% effect")
     assert describe(decide([1.0], [1.02]), "slower", "faster") == (
         "UNKNOWN: +2.0% (1 pair): one pair gives no run-to-run spread"
     )

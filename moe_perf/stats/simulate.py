@@ -110,7 +110,9 @@ def sweep(
     words = np.full(sweeps, UNKNOWN, dtype=object)
     pairs_used = np.zeros(sweeps, dtype=int)
     going = np.ones(sweeps, dtype=bool)
-    for n in range(1, min(pairs, plan.max_pairs) + 1):
+    last = min(pairs, plan.max_pairs)
+    # Fixed repeats run every pair whatever the interim words: only the last look counts.
+    for n in range(1, last + 1) if plan.sequential else [last]:
         seen = rule(d[going, :n], feat_first[:n], plan)
         idx = np.flatnonzero(going)
         words[idx], pairs_used[idx] = seen.words, n
