@@ -15,7 +15,7 @@ import datetime
 import platform
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -72,6 +72,21 @@ def false_alarm_table(plan: Plan) -> str:
             cells.append(
                 pct(simulate(Case(sigma, 0, **fields), plan, SWEEPS, seed=12).rate(DIFFERENT))
             )
+        rows.append([f"{name}, {sigma:.1%}", *cells])
+    return table(["per-run spread", *names], rows)
+
+
+def twice_the_effect_table(plan: Plan) -> str:
+    names = list(nuisances(0.01))
+    rows = []
+    for name, sigma in SIGMAS.items():
+        cells = []
+        for nuisance in names:
+            same = 0
+            for sign in (+1, -1):
+                case = Case(sigma, sign * 2 * plan.effect, **nuisances(sigma)[nuisance])
+                same += simulate(case, plan, SWEEPS, seed=17).count(SAME)
+            cells.append(f"{same}")
         rows.append([f"{name}, {sigma:.1%}", *cells])
     return table(["per-run spread", *names], rows)
 
@@ -195,8 +210,19 @@ def choice_row(label: str, plan: Plan, fitter=fit) -> list[str]:
     return [label, *cells, pct(max(alarms))]
 
 
+@dataclass(frozen=True)
+class LookingWithoutSpending(Plan):
+    """Every look at the full error rate: what stopping at the first DIFFERENT would do."""
+
+    def alpha_at(self, pairs):
+        spent = np.where(np.asarray(pairs) >= self.first_look, self.alpha, 0.0)
+        return float(spent) if spent.ndim == 0 else spent
+
+
 def choices_table(plan: Plan) -> str:
     rows = [choice_row("moe_perf", plan)]
+    naive = LookingWithoutSpending(plan.effect, plan.confidence, plan.max_pairs)
+    rows.append(choice_row("every look at the full rate", naive))
     for first in (2, 3, 5):
         with setting(verdict, "FIRST_LOOK", first):
             rows.append(choice_row(f"first look at {first} pairs", plan))
@@ -249,6 +275,8 @@ def page(plan: Plan) -> str:
         words_table(plan, "all at once"),
         f"### A/A: how often DIFFERENT, per nuisance (bound {pct(bound)} at {SWEEPS:,} sweeps)",
         false_alarm_table(plan),
+        f"### Twice the effect (+2% and -2%): SAME in how many of {2 * SWEEPS:,} sweeps",
+        twice_the_effect_table(plan),
         f"### Choosing max_pairs ({FEWER:,} sweeps a cell; rate in mean pairs)",
         max_pairs_table(plan.effect),
         f"### Per-look error: fixed repeats, A/A DIFFERENT rate / nominal ({ONE_LOOK:,} sweeps; "

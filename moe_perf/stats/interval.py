@@ -79,9 +79,9 @@ def degrees_of_freedom(pairs, order_modelled: bool):
     on each side (`pairs` may be an array of counts).
 
     Yuen's kept - 1 is liberal at these counts in the far tails the sequential looks use: with
-    one pair trimmed per side, a fixed 8-pair A/A read DIFFERENT 1.22x (95%) and 1.57x (99.5%)
-    as often as nominal, 12 pairs 1.05x and 1.20x. Spending one more degree of freedom per
-    trimmed pair brings every count from 8 to 30 pairs to at most the nominal rate within the
+    one pair trimmed per side, a fixed 10-pair A/A read DIFFERENT 1.05x (95%) and 1.36x (99.5%)
+    as often as nominal, 20 pairs 1.09x and 1.16x. Spending one more degree of freedom per
+    trimmed pair brings every count from 10 to 30 pairs to at most the nominal rate within the
     simulation's error (docs/verdict.md, "Per-look error").
     """
     g = trim_per_side(pairs)
