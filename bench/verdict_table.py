@@ -226,7 +226,7 @@ def choices_table(plan: Plan) -> str:
     for first in (2, 3, 5):
         with setting(verdict, "FIRST_LOOK", first):
             rows.append(choice_row(f"first look at {first} pairs", plan))
-    for trim_from in (5, 6, 8, 12, 10**9):
+    for trim_from in (5, 6, 8, 10**9):
         label = "never trim" if trim_from > 100 else f"trim from {trim_from} pairs"
         with setting(interval, "TRIM_FROM", trim_from):
             rows.append(choice_row(label, plan))

@@ -39,7 +39,7 @@ def test_aa_is_different_at_most_at_the_nominal_rate(name, sigma, nuisance, fiel
 @pytest.mark.parametrize("name, sigma, nuisance, fields", CASES, ids=IDS)
 def test_twice_the_effect_is_almost_never_called_same(name, sigma, nuisance, fields):
     """SAME needs the simultaneous interval to miss the change by more than the effect: at most
-    alpha/2 in theory. Measured: none at 0.3% and 10% spread; at 1.5%, about 1 in 2,500 sweeps
+    alpha/2 in theory. Measured (docs/verdict.md): at most 9 in 20,000 sweeps, at 1.5% spread
     (4 pairs whose spread came out small by chance), so up to 5 in 2,000 pass and a rule
     that misses more often than 1 in 400 fails."""
     for sign in (+1, -1):
