@@ -197,6 +197,7 @@ def choice_row(label: str, plan: Plan, fitter=fit) -> list[str]:
         (Case(ref, 0, **nuisances(ref)["outliers"]), SAME),
         (Case(ref, e, **nuisances(ref)["outliers"]), DIFFERENT),
         (Case(titan, 4 * e), DIFFERENT),
+        (Case(ref, 4 * e), DIFFERENT),
     ]
     cells = []
     for case, word in cases:
@@ -239,6 +240,7 @@ def choices_table(plan: Plan) -> str:
         "+outliers: SAME",
         "1x with outliers: DIFFERENT",
         "torchtitan 4x: DIFFERENT",
+        "reference 4x: DIFFERENT",
         "A/A DIFFERENT, worst case",
     ]
     return table(header, rows)

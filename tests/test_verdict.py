@@ -315,6 +315,15 @@ def test_describe_reads_a_real_verdict_with_its_trim_and_confidence():
     )
 
 
+def test_describe_reads_peak_memory_verdicts_without_an_interval():
+    more = decide_memory([40.0, 40.0], [41.0, 41.0])
+    assert describe(more, "more memory", "less memory") == (
+        "2.5% more memory (2 pairs): DIFFERENT, beyond the 1% effect"
+    )
+    same = decide_memory([40.0], [40.1])
+    assert describe(same, "more memory", "less memory") == "no change beyond 1% (1 pair): SAME"
+
+
 # --- peak memory -----------------------------------------------------------------------------
 
 
