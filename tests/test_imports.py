@@ -10,6 +10,9 @@ Rules (docs/design.md, "Import rules"):
     neither at module level nor inside a function (moe_perf/titan_entry.py is an in-rank entry
     point: torch and torchtitan are its job);
   * common imports nothing else of moe_perf;
+  * the statistics (moe_perf/stats) import only numpy, scipy, the standard library and
+    themselves, at module level or inside a function: the runner, the report and the sweeper
+    import them, so they stay pure (no Hydra, no torch, no files read through another package);
   * model code (the single-device model: model, attention, layers, moe, routing, experts,
     balance) never imports torch.distributed: collectives are injected by parallelize.py;
   * no import cycle among moe_perf's modules (module-level imports, the ones that run when a
@@ -37,6 +40,7 @@ NO_TORCH_PACKAGES = (
     "hydra_plugins",
 )
 NO_TORCH_EXEMPT = ("moe_perf.titan_entry",)
+STATS_ALLOWED = ("moe_perf.stats", "numpy", "scipy")
 TORCH_FAMILY = ("torch", "torchao", "torchtitan", "triton")
 MODEL_CODE = tuple(
     f"moe_perf.trainer.{m}"
@@ -167,6 +171,9 @@ def violations(root: Path, packages=("moe_perf", "hydra_plugins")) -> list[str]:
             if _under(m, ("moe_perf.common",)) and _top(t) == "moe_perf":
                 if not _under(t, ("moe_perf.common",)):
                     problems.append(f"{where}: common imports nothing else of moe_perf")
+            if _under(m, ("moe_perf.stats",)):
+                if not (_under(t, STATS_ALLOWED) or _top(t) in stdlib):
+                    problems.append(f"{where}: stats imports only numpy, scipy and itself")
             if _under(m, MODEL_CODE) and _under(t, ("torch.distributed",)):
                 problems.append(f"{where}: model code is single-device (parallelize.py injects)")
             if imp.top_level and m in graph and (dep := resolve(t, modules)) and dep != m:
@@ -223,6 +230,9 @@ def test_the_checker_reports_every_broken_rule(tmp_path):
     write(tmp_path, "moe_perf/launchers/lazy.py", "def f():\n    from . import lazy2\n")
     write(tmp_path, "moe_perf/launchers/lazy2.py", "from . import lazy\n")  # lazy: no cycle
     write(tmp_path, "hydra_plugins/p/launcher.py", "import torch.cuda\n")
+    write(tmp_path, "moe_perf/stats/verdict.py", "import math\nimport numpy\nimport scipy.stats\n")
+    write(tmp_path, "moe_perf/stats/simulate.py", "from . import verdict\ndef f(): import hydra\n")
+    write(tmp_path, "moe_perf/stats/plot.py", "from moe_perf.report import render\n")
 
     problems = violations(tmp_path)
     expected = [
@@ -236,6 +246,8 @@ def test_the_checker_reports_every_broken_rule(tmp_path):
         "moe_perf/trainer/routing.py:1: moe_perf.trainer.routing imports "
         "torch.distributed.all_reduce: model code",
         "hydra_plugins/p/launcher.py:1: hydra_plugins.p.launcher imports torch.cuda: no torch",
+        "moe_perf/stats/simulate.py:2: moe_perf.stats.simulate imports hydra: stats imports only",
+        "moe_perf/stats/plot.py:1: moe_perf.stats.plot imports moe_perf.report.render: stats",
         "import cycle: moe_perf.launchers.a -> moe_perf.launchers.b -> moe_perf.launchers.c -> "
         "moe_perf.launchers.a",
     ]
