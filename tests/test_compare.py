@@ -215,7 +215,7 @@ def test_repeats_median_of_medians_and_spread(tmp_path):
     # the pairs' log-ratios (0.336, 0.327, 0.318) sit far from zero: one look, fixed repeats
     verdict = report["groups"][0]["verdict"]["step_time_s"]
     assert (verdict["word"], verdict["pairs"]) == ("DIFFERENT", 3)
-    assert verdict["low"] > 0.3 and report["groups"][0]["plan"]["sequential"] is False
+    assert verdict["low"] > 0.2 and report["groups"][0]["plan"]["sequential"] is False
     assert "Warning: base r2 looks unstable" in text
 
 

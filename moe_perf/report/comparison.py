@@ -25,7 +25,7 @@ from moe_perf.report.record import SCHEMA as ARM_SCHEMA
 from moe_perf.report.record import config_differences as _differences
 from moe_perf.report.render import render, write_outputs
 from moe_perf.report.sweep import current_sweep_id, load_plan
-from moe_perf.stats.verdict import Plan, decide, decide_memory
+from moe_perf.stats.verdict import MEMORY_TOLERANCE, Plan, decide, decide_memory
 
 SCHEMA = "moe_perf.comparison/2"  # /2: each group's `verdict` and `plan`
 READABLE_SCHEMAS = ("moe_perf.comparison/1", SCHEMA)
@@ -266,10 +266,7 @@ def memory_tolerance(records: list[dict]) -> float:
         compare = (record.get("config") or {}).get("compare")
         if isinstance(compare, dict) and compare.get("memory_tolerance") is not None:
             return float(compare["memory_tolerance"])
-    return DEFAULT_MEMORY_TOLERANCE
-
-
-DEFAULT_MEMORY_TOLERANCE = 0.01  # conf/config.yaml's compare.memory_tolerance
+    return MEMORY_TOLERANCE
 
 
 def verdicts(runs: list[dict], plan: Plan, tolerance: float) -> dict:

@@ -41,6 +41,7 @@ from moe_perf.common.config import (
 from moe_perf.common.mesh import MeshDims, MeshError
 from moe_perf.runner import git
 from moe_perf.runner.job import repeat_suffix
+from moe_perf.stats.verdict import DEFAULT_MAX_PAIRS, MEMORY_TOLERANCE, Plan
 
 # Optional[...] rather than `X | None`: see moe_perf/common/config.py.
 
@@ -68,12 +69,12 @@ class WandbConfig:
 class CompareConfig:
     """The verdict's knobs (moe_perf/stats/verdict.py, docs/verdict.md)."""
 
-    effect: float = knob(0.01, above=0)
-    confidence: float = knob(0.95, min=0.5, max=0.9999,
+    effect: float = knob(Plan.effect, above=0)
+    confidence: float = knob(Plan.confidence, min=0.5, max=0.9999,
                              why="an interval of confidence 1 never decides")  # fmt: skip
-    max_pairs: int = knob(6, min=1, max=100)
+    max_pairs: int = knob(DEFAULT_MAX_PAIRS, min=1, max=100)
     max_minutes: Optional[float] = knob(None, above=0)  # noqa: UP045
-    memory_tolerance: float = knob(0.01, min=0, max=1)
+    memory_tolerance: float = knob(MEMORY_TOLERANCE, min=0, max=1)
 
 
 # --- trainer options: what the runner's adapter reads (moe_perf/frameworks/) -----------------
