@@ -67,7 +67,7 @@ def test_defaults():
     assert cfg.refs.base == "main" and cfg.repeat == 0 and cfg.repo == "."
     t = cfg.training
     assert (t.sequence_length, t.global_batch, t.micro_batch, t.max_steps) == (512, 32, 4, 8)
-    assert t.benchmark is True and t.device == "auto"
+    assert t.device == "auto" and cfg.routing.mode == "balanced"
     assert cfg.data.corpus is None and cfg.data.root == "workspace/datasets"
     assert cfg.wandb.mode == "auto"
     assert list(cfg.trainer.command) == ["-m", "moe_perf.trainer"]

@@ -125,7 +125,7 @@ def test_architecture_comes_from_the_preset(model):
 
 
 def test_mesh_shapes_fp8_and_extra_args():
-    cfg = composed("model=qwen3-30b-a3b", "mesh=pp2_ep4", "dtype=fp8", "training.benchmark=false",
+    cfg = composed("model=qwen3-30b-a3b", "mesh=pp2_ep4", "dtype=fp8", "routing=real",
                    "trainer.extra_args=[--use-distributed-optimizer]")  # fmt: skip
     argv = megatron_argv(cfg)
     assert flag(argv, "--pipeline-model-parallel-size") == "2"

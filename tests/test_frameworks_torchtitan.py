@@ -128,7 +128,7 @@ def test_full_depth_fp8_unbalanced_and_extra_args_reach_torchtitan(tmp_path):
     if cli != TOML_CLI:
         pytest.skip(f"the installed torchtitan speaks the {cli} CLI")
     cfg = composed(
-        "model=qwen3-30b-a3b", "mesh=ep8", "dtype=fp8", "training.benchmark=false",
+        "model=qwen3-30b-a3b", "mesh=ep8", "dtype=fp8", "routing=real",
         "trainer.compile=true", "trainer.extra_args=[--training.steps,20,--compile.no-enable]",
     )  # fmt: skip
     launch = TorchTitan().launch(cfg, tmp_path, tmp_path / "config.yaml", tree)

@@ -114,7 +114,7 @@ def bench_config(model: str, layers: int, global_batch: int, micro_batch: int) -
     preset = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())
     preset.update(num_layers=layers, dense_layers=min(preset["dense_layers"], layers))
     training = {"sequence_length": 2048, "global_batch": global_batch,
-                "micro_batch": micro_batch, "benchmark": True, "device": "cuda"}  # fmt: skip
+                "micro_batch": micro_batch, "device": "cuda"}  # fmt: skip
     return {"model": preset, "dtype": {"name": "bf16"}, "training": training,
             "trainer": {"name": "reference", "compile": True}}  # fmt: skip
 
