@@ -61,7 +61,7 @@ git checkout -q main
 echo "plant: ${PLANT_MS} ms = ${CYCLES} spin cycles per step, in torchtitan/train.py train_step" | tee "$OUT/bench.txt"
 
 SHAPES=(model=qwen3-30b-a3b model.num_layers=4 mesh=single training.sequence_length=2048
-        training.global_batch=32 "training.max_steps=$STEPS" training.benchmark=true
+        training.global_batch=32 "training.max_steps=$STEPS" routing=balanced
         "training.micro_batch=$MICRO" trainer.compile=true wandb.mode=disabled timeout_s=900)
 
 sweep() {  # name, overrides...
