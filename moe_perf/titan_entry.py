@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import importlib
 import inspect
+import os
 import sys
 
 
@@ -48,6 +49,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--skew-hot-experts", type=int, default=1, help="routing.hot_experts")
     parser.add_argument("--skew-hot-ranks", type=int, default=1, help="routing.hot_ranks")
     parser.add_argument("--skew-ep", type=int, default=1, help="mesh.ep")
+    parser.add_argument("--skew-tokens", type=int, default=None, help="tokens of a router call")
+    parser.add_argument("--skew-experts", type=int, default=None, help="model.num_experts")
+    parser.add_argument("--skew-top-k", type=int, default=None, help="model.top_k")
     return parser.parse_args(argv[:cut]), argv[cut + 1 :]
 
 
@@ -62,23 +66,31 @@ ROUTER_MODULES = (
 FORCED_ROUTING = "_debug_force_load_balance_routing"
 
 
-def skewed_routing(request: dict):
+def skewed_routing(request: dict, expected: tuple | None = None):
     """A replacement for torchtitan's forced routing: the skew plan's ids for the call's T
-    tokens (plans and their E slot ends kept per token count and device), the real scores
-    gathered at them."""
+    tokens, the router's real scores gathered at them. The plans and their E slot ends live in
+    a table by (tokens, experts, top-k, device); `expected`, such a key, is made here, before
+    torchtitan compiles its blocks, so that a compiled router only reads it."""
     from moe_perf.common.routing import skew_plan
     from moe_perf.trainer.routing import SkewedSlots
 
     slots_by_call: dict = {}
 
+    def slots_for(T: int, E: int, K: int, device) -> SkewedSlots:
+        key = (T, E, K, device)
+        if key not in slots_by_call:
+            plan = skew_plan(num_experts=E, top_k=K, tokens=T, **request)
+            slots_by_call[key] = SkewedSlots(plan, device)
+        return slots_by_call[key]
+
+    if expected is not None:
+        slots_for(*expected)
+
     def routing(self, scores):
         E = scores.shape[-1]
         scores_TE = scores.reshape(-1, E)
-        T, key = scores_TE.shape[0], (scores_TE.shape[0], scores.device)
-        if key not in slots_by_call:
-            plan = skew_plan(num_experts=E, top_k=self.top_k, tokens=T, **request)
-            slots_by_call[key] = SkewedSlots(plan, scores.device)
-        ids_TK = slots_by_call[key].expert_ids(0, T, scores.device)
+        T = scores_TE.shape[0]
+        ids_TK = slots_for(T, E, self.top_k, scores.device).expert_ids(0, T, scores.device)
         top_TK = scores_TE.gather(1, ids_TK)
         shape = (*scores.shape[:-1], ids_TK.shape[1])
         return ids_TK.reshape(shape), top_TK.reshape(shape)
@@ -86,9 +98,9 @@ def skewed_routing(request: dict):
     return routing
 
 
-def install_skew(request: dict) -> list[str]:
-    """Every torchtitan router class with the forced-routing method gets the skew plan's;
-    returns their names (none found: a SystemExit saying so)."""
+def install_skew(request: dict, expected: tuple | None = None) -> list[str]:
+    """Every torchtitan router class with the forced-routing method gets the skew plan's
+    (`expected`: see skewed_routing); returns their names (none found: a SystemExit)."""
     patched = []
     for name in ROUTER_MODULES:
         try:
@@ -97,7 +109,7 @@ def install_skew(request: dict) -> list[str]:
             continue
         for cls in vars(module).values():
             if isinstance(cls, type) and FORCED_ROUTING in vars(cls):
-                setattr(cls, FORCED_ROUTING, skewed_routing(request))
+                setattr(cls, FORCED_ROUTING, skewed_routing(request, expected))
                 patched.append(f"{name}.{cls.__name__}")
     if not patched:
         raise SystemExit(
@@ -110,6 +122,19 @@ def install_skew(request: dict) -> list[str]:
 def skew_request(ours: argparse.Namespace) -> dict:
     return {"ep": ours.skew_ep, "imbalance": ours.skew, "shape": ours.skew_shape,
             "hot_experts": ours.skew_hot_experts, "hot_ranks": ours.skew_hot_ranks}  # fmt: skip
+
+
+def expected_call(ours: argparse.Namespace) -> tuple | None:
+    """(tokens, experts, top-k, device) of this rank's router calls, as our flags give them
+    (the device: torchtitan's, cuda:LOCAL_RANK)."""
+    if ours.skew_tokens is None:
+        return None
+    import torch
+
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return ours.skew_tokens, ours.skew_experts, ours.skew_top_k, device
 
 
 def cut_model_args(args, num_layers: int):
@@ -176,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
         register_config(ours.model, ours.base, ours.name, ours.num_layers, ours.float8,
                         compile_model)  # fmt: skip
     if ours.skew is not None:
-        install_skew(skew_request(ours))
+        install_skew(skew_request(ours), expected_call(ours))
     train = importlib.import_module("torchtitan.train")
     if inspect.signature(train.main).parameters:  # 0.2: main(trainer_class)
         train.main(train.Trainer)

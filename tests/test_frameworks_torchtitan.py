@@ -370,7 +370,13 @@ def test_skew_runs_our_entry_and_torchtitans_router_sends_by_the_plan(tmp_path, 
     import torch
 
     from moe_perf.common.routing import skew_plan
-    from moe_perf.titan_entry import FORCED_ROUTING, install_skew, parse, skew_request
+    from moe_perf.titan_entry import (
+        FORCED_ROUTING,
+        expected_call,
+        install_skew,
+        parse,
+        skew_request,
+    )
 
     tree, cli = INSTALLED
     if cli != TOML_CLI:
@@ -381,6 +387,9 @@ def test_skew_runs_our_entry_and_torchtitans_router_sends_by_the_plan(tmp_path, 
     entry = entry_args(launch.argv)
     assert entry["--as"] == entry["--base"] == "30B-A3B"  # full depth: the entry for the plan
     assert (entry["--skew"], entry["--skew-shape"], entry["--skew-ep"]) == ("4.0", "zipf", "4")
+    # a router call: one rank's micro-batch (1 x 2048 tokens), made before torchtitan compiles
+    assert (entry["--skew-tokens"], entry["--skew-experts"], entry["--skew-top-k"]) == (
+        "2048", "128", "8")  # fmt: skip
     job = parse_with_torchtitan(titan_args(launch.argv))
     assert job.debug.moe_force_load_balance is True
 
@@ -389,8 +398,9 @@ def test_skew_runs_our_entry_and_torchtitans_router_sends_by_the_plan(tmp_path, 
     router_cls = titan_moe.TokenChoiceTopKRouter
     monkeypatch.setattr(router_cls, FORCED_ROUTING, getattr(router_cls, FORCED_ROUTING))
     ours, _ = parse(launch.argv[2:])
-    assert "torchtitan.models.moe.moe.TokenChoiceTopKRouter" in install_skew(skew_request(ours))
-    E, K, T = cfg.model.num_experts, cfg.model.top_k, 512
+    patched = install_skew(skew_request(ours), expected_call(ours))
+    assert "torchtitan.models.moe.moe.TokenChoiceTopKRouter" in patched
+    E, K, T = cfg.model.num_experts, cfg.model.top_k, 2048
     router = router_cls(dim=16, num_experts=E, num_expert_groups=None, num_limited_groups=None,
                         top_k=K, score_func="softmax", route_norm=True, route_scale=1.0,
                         gate_bias=False, _debug_force_load_balance=True)  # fmt: skip

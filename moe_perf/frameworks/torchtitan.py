@@ -297,12 +297,16 @@ def check_routing(cfg: Any, code: ArmCode) -> None:
 
 def skew_entry_args(cfg: Any) -> list[str]:
     """The entry's flags for routing=skew (titan_entry.install_skew); [] otherwise."""
-    r = cfg.routing
+    r, t, m = cfg.routing, cfg.training, cfg.model
     if str(r.mode) != "skew":
         return []
+    # a router call's tokens: one micro-batch of one rank (torchtitan's local batch, or its
+    # pipeline micro-batch), sequences cut by cp, as the reference trainer's plan
+    tokens = int(t.micro_batch) * int(t.sequence_length) // int(cfg.mesh.cp)
     return ["--skew", str(float(r.imbalance)), "--skew-shape", str(r.shape),
             "--skew-hot-experts", str(r.hot_experts), "--skew-hot-ranks", str(r.hot_ranks),
-            "--skew-ep", str(cfg.mesh.ep)]  # fmt: skip
+            "--skew-ep", str(cfg.mesh.ep), "--skew-tokens", str(tokens),
+            "--skew-experts", str(m.num_experts), "--skew-top-k", str(m.top_k)]  # fmt: skip
 
 
 class TorchTitan:
