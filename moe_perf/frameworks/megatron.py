@@ -194,7 +194,7 @@ class Megatron:
     name = "megatron"
 
     def check(self, cfg: Any, repo: Path) -> None:
-        routing_flags(cfg)
+        routing_flags(cfg)  # routing=skew is refused here, before launch
         code = ArmCode.at_ref(repo, str(cfg.arm.ref)) if cfg.arm.get("ref") else ArmCode(repo)
         script = str(cfg.trainer.get("script") or "pretrain_gpt.py")
         if not code.has(script) or not code.has("megatron/training/arguments.py"):
