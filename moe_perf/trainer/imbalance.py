@@ -57,17 +57,19 @@ def _max_over_mean(counts_LX: torch.Tensor) -> float | None:
     return float((counts_LX.max(1).values / counts_LX.mean(1)).mean())
 
 
-def gather(per_microbatch: list[dict[int, torch.Tensor]], *, num_layers: int, num_experts: int,
+def gather(per_microbatch: list[dict], *, num_layers: int, num_experts: int, ep: int,
            ep_rank: int, dp_cp_rank: int, dp_cp: int, device) -> StepCounts:  # fmt: skip
     """The step's StepCounts from this rank's per-micro-batch counts ({layer: counts of its
-    local experts}, moe.tokens_processed), summed over the whole world.
+    E/ep local experts, or one count of each}, moe.tokens_processed), summed over the world.
 
     The collective this adds to a step: one all-reduce (sum) of layers x (E + dp*cp) int64
     over every rank, and its host copy, outside the timed region."""
     table = torch.zeros(num_layers, num_experts + dp_cp, dtype=torch.long, device=device)
+    L = num_experts // ep
     for counts in per_microbatch:
         for layer, local_L in counts.items():
-            L = local_L.numel()
+            if isinstance(local_L, int):  # every local expert got that many (moe.py)
+                local_L = torch.full((L,), local_L, dtype=torch.long, device=device)
             table[layer, ep_rank * L : (ep_rank + 1) * L] += local_L
             table[layer, num_experts + dp_cp_rank] += local_L.sum()
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -43,8 +43,9 @@ class MoE(nn.Module):
       aux_loss_grad_scale  gradient the balance loss gets per backward (1/micro-batches).
       last_aux_loss        detached balance loss of the last forward (for logging).
       last_tokens_per_expert  slots this rank's experts processed in the last forward
-                           (tokens_per_expert_L, as the dispatcher counted them; read by
-                           `tokens_processed` after each forward, outside the step's math).
+                           (tokens_per_expert_L, as the dispatcher counted them, or an int when
+                           every expert got that many; read by `tokens_processed` after each
+                           forward, outside the step's math).
     """
 
     def __init__(
@@ -155,7 +156,11 @@ class MoE(nn.Module):
             )
         else:
             x_ND, tokens_per_expert_L, state = self.dispatcher.dispatch(x_TD, idx_TK)
-        self.last_tokens_per_expert = tokens_per_expert_L  # a reference: no work in the step
+        # A reference, no work in the step. The round-robin dispatch's counts are one known
+        # number, kept as an int: its torch.full is otherwise dead code that compile drops.
+        self.last_tokens_per_expert = (
+            x_TD.shape[0] * self.top_k // self.num_experts if equal_counts else tokens_per_expert_L
+        )
         with expert_scope():
             y_ND = self.experts(x_ND, tokens_per_expert_L, equal_counts)
         y_TKD = self.dispatcher.combine(y_ND, state)
@@ -209,7 +214,7 @@ def set_expert_assignment(model: nn.Module, assignment) -> None:
         m.assignment = assignment
 
 
-def tokens_processed(model: nn.Module) -> dict[int, torch.Tensor]:
+def tokens_processed(model: nn.Module) -> dict[int, torch.Tensor | int]:
     """{global layer id: slots this rank's experts processed in the last forward}: references
     only, so the train loop can keep one per micro-batch inside the timed step for free."""
     return {m.layer_id: m.last_tokens_per_expert for m in moe_layers(model)}

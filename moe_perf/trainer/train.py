@@ -327,7 +327,7 @@ def step_counts(tr: Trainer) -> imbalance.StepCounts:
         per_microbatch = [c for stage in tr.pipe.stages for c in stage.token_counts]
     m = tr.cfg.model
     return imbalance.gather(
-        per_microbatch, num_layers=m.num_layers, num_experts=m.num_experts,
+        per_microbatch, num_layers=m.num_layers, num_experts=m.num_experts, ep=tr.dims.ep,
         ep_rank=tr.par.ep_rank, dp_cp_rank=tr.par.dp_cp_rank, dp_cp=tr.dims.dp_cp,
         device=tr.device,
     )  # fmt: skip
