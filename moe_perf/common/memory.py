@@ -97,7 +97,7 @@ def layer_activation_bytes(
     if layer < m.dense_layers:
         return attn + ffn_in + 4 * b * T * m.dense_ffn + b * T * D
     N, F = T * m.top_k, m.expert_ffn
-    Nr = N * received  # on the experts' side of the dispatch
+    Nr = round(N * received)  # slots on the experts' side of the dispatch
     router = 2 * 4 * T * m.num_experts + 12 * T * m.top_k  # fp32 logits, scores; ids, weights
     # routed: permuted rows (fp32 and their cast), w1 and w3 out, SwiGLU's two intermediates,
     # w2 out (the experts' side), combined rows and their weighted product (the tokens' side)
@@ -127,12 +127,13 @@ def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int, r: int
     if layer < m.dense_layers:
         return attn + b * T * D + 3 * b * T * m.dense_ffn  # norm's cast; w1, w3, SwiGLU out
     N, F = T * K, m.expert_ffn
+    Nr = round(N * received)  # slots on the experts' side of the dispatch
     # the norm's cast (the routed rows are gathered again from it in backward), fp32 scores,
     # int64 ids and fp32 gating weights, the slots' sort order and its inverse (int64)
     router = b * T * D + 4 * T * E + 12 * T * K + 16 * N
     # routed rows in the compute dtype and w2's output; w1 and w3 out and SwiGLU's output (all
     # on the experts' side of the dispatch)
-    routed = (2 * b * N * D + 3 * b * N * F) * received
+    routed = 2 * b * Nr * D + 3 * b * Nr * F
     shared = 3 * b * T * m.num_shared_experts * m.shared_expert_ffn
     return attn + router + routed + shared
 
