@@ -23,22 +23,8 @@ MICRO=${MICRO:-16}  # micro-batch / torchtitan's local batch (8 fits an 80 GB H1
 
 WORK=$(mktemp -d)
 REPO=$WORK/torchtitan
-cp -r "$TREE" "$REPO"
-mkdir -p "$REPO/tests/assets/c4_test"
-"$PY" - "$REPO/tests/assets/c4_test/data.json" <<'EOF'
-import json, random, sys
-words = ("the of and to in is was for on that with as by at from his her an which are this "
-         "be or had it not were but have their they one all been has more when who its also "
-         "first new would two after some time into other than may over them only these year").split()
-rng = random.Random(1234)
-with open(sys.argv[1], "w") as f:
-    for _ in range(2000):
-        f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(600))}) + "\n")
-EOF
+PYTHON=$PY bash "$HERE/make_titan_repo.sh" "$TREE" "$REPO"
 cd "$REPO"
-git init -q -b main
-git add -A
-git -c user.name=bench -c user.email=bench@moe-perf.invalid commit -q -m "torchtitan 0.2.2"
 
 # The plant: torch.cuda._sleep(cycles) spins on the GPU stream, so it is not hidden behind
 # queued GPU work the way a host sleep is; cycles per millisecond measured here. It goes right
@@ -61,7 +47,7 @@ git checkout -q main
 echo "plant: ${PLANT_MS} ms = ${CYCLES} spin cycles per step, in torchtitan/train.py train_step" | tee "$OUT/bench.txt"
 
 SHAPES=(model=qwen3-30b-a3b model.num_layers=4 mesh=single training.sequence_length=2048
-        training.global_batch=32 "training.max_steps=$STEPS" training.benchmark=true
+        training.global_batch=32 "training.max_steps=$STEPS" routing=balanced
         "training.micro_batch=$MICRO" trainer.compile=true wandb.mode=disabled timeout_s=900)
 
 sweep() {  # name, overrides...

@@ -63,7 +63,7 @@ echo "megatron-lm repo: $REPO (main $(git rev-parse --short main), planted $(git
 # masked-softmax fusion: Megatron's compiled softmax kernels)
 SHAPES=(repo="$REPO" trainer=megatron model=qwen3-30b-a3b "model.num_layers=$LAYERS" mesh=single
         training.sequence_length=2048 "training.global_batch=${GLOBAL_BATCH:-8}"
-        "training.micro_batch=${MICRO_BATCH:-4}" "training.max_steps=$STEPS" training.benchmark=true
+        "training.micro_batch=${MICRO_BATCH:-4}" "training.max_steps=$STEPS" routing=balanced
         trainer.transformer_impl=local
         'trainer.extra_args=[--no-gradient-accumulation-fusion,--no-rope-fusion,--no-masked-softmax-fusion]'
         wandb.mode=disabled timeout_s=900 ${EXTRA:-})

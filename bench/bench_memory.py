@@ -72,7 +72,7 @@ def overrides(cpu: bool, model, layers, global_batch, micro_batch, extra, steps)
         f"training.global_batch={global_batch}",
         f"training.micro_batch={micro_batch}",
         f"training.max_steps={steps}",
-        "training.benchmark=true",
+        "routing=balanced",
     ]
     if cpu:
         return [*common, "dtype=fp32", "trainer.compile=false", "training.device=cpu", *extra]

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {
     "model": "qwen3-30b-a3b", "model.num_layers": "4", "mesh": "single", "dtype": "bf16",
     "training.sequence_length": "2048", "training.global_batch": "32",
-    "training.micro_batch": "16", "training.max_steps": "8", "training.benchmark": "true",
+    "training.micro_batch": "16", "training.max_steps": "8", "routing": "balanced",
     "trainer.compile": "true", "wandb.mode": "disabled", "timeout_s": "900",
 }  # fmt: skip
 

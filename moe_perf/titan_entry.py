@@ -14,6 +14,13 @@ package root because `moe_perf.frameworks` imports OmegaConf.
 TrainSpec registered under the same name (torchtitan looks up registered specs first).
 0.3.x: the flavor is a function of `torchtitan.models.<model>.config_registry`, which
 torchtitan's ConfigManager looks up by `--config`; the copy is added to that module.
+
+routing=skew (`--skew IMBALANCE` and its plan's other knobs): torchtitan's router, under
+`--debug.moe_force_load_balance`, replaces its top-k by what its `_debug_force_load_balance_routing`
+method returns; this replaces that method, in every router class that has it, by the skew plan
+of common/routing.py (the reference trainer's SkewedSlots), made for the tokens of each call.
+torchtitan numbers a call's tokens from 0 on every rank; a plan of that many tokens is one
+whole period, so every call gets exactly the planned counts.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import argparse
 import dataclasses
 import importlib
 import inspect
+import os
 import sys
 
 
@@ -36,7 +44,97 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--as", dest="name", required=True, help="key of the derived copy")
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--float8", action="store_true", help="0.3: float8 linear converter")
+    parser.add_argument("--skew", type=float, default=None, help="routing.imbalance (skew)")
+    parser.add_argument("--skew-shape", default="hot", help="routing.shape")
+    parser.add_argument("--skew-hot-experts", type=int, default=1, help="routing.hot_experts")
+    parser.add_argument("--skew-hot-ranks", type=int, default=1, help="routing.hot_ranks")
+    parser.add_argument("--skew-ep", type=int, default=1, help="mesh.ep")
+    parser.add_argument("--skew-tokens", type=int, default=None, help="tokens of a router call")
+    parser.add_argument("--skew-experts", type=int, default=None, help="model.num_experts")
+    parser.add_argument("--skew-top-k", type=int, default=None, help="model.top_k")
     return parser.parse_args(argv[:cut]), argv[cut + 1 :]
+
+
+# Where torchtitan's routers live (0.2.x; later trees under models/common) and the method that
+# `--debug.moe_force_load_balance` calls with the router's scores ([T, E], or [B, L, E] in
+# later trees) for (expert ids, their scores).
+ROUTER_MODULES = (
+    "torchtitan.models.moe.moe",
+    "torchtitan.models.common.moe",
+    "torchtitan.models.common.moe.moe",
+)
+FORCED_ROUTING = "_debug_force_load_balance_routing"
+
+
+def skewed_routing(request: dict, expected: tuple | None = None):
+    """A replacement for torchtitan's forced routing: the skew plan's ids for the call's T
+    tokens, the router's real scores gathered at them. The plans and their E slot ends live in
+    a table by (tokens, experts, top-k, device); `expected`, such a key, is made here, before
+    torchtitan compiles its blocks, so that a compiled router only reads it."""
+    from moe_perf.common.routing import skew_plan
+    from moe_perf.trainer.routing import SkewedSlots
+
+    slots_by_call: dict = {}
+
+    def slots_for(T: int, E: int, K: int, device) -> SkewedSlots:
+        key = (T, E, K, device)
+        if key not in slots_by_call:
+            plan = skew_plan(num_experts=E, top_k=K, tokens=T, **request)
+            slots_by_call[key] = SkewedSlots(plan, device)
+        return slots_by_call[key]
+
+    if expected is not None:
+        slots_for(*expected)
+
+    def routing(self, scores):
+        E = scores.shape[-1]
+        scores_TE = scores.reshape(-1, E)
+        T = scores_TE.shape[0]
+        ids_TK = slots_for(T, E, self.top_k, scores.device).expert_ids(0, T, scores.device)
+        top_TK = scores_TE.gather(1, ids_TK)
+        shape = (*scores.shape[:-1], ids_TK.shape[1])
+        return ids_TK.reshape(shape), top_TK.reshape(shape)
+
+    return routing
+
+
+def install_skew(request: dict, expected: tuple | None = None) -> list[str]:
+    """Every torchtitan router class with the forced-routing method gets the skew plan's
+    (`expected`: see skewed_routing); returns their names (none found: a SystemExit)."""
+    patched = []
+    for name in ROUTER_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for cls in vars(module).values():
+            if isinstance(cls, type) and FORCED_ROUTING in vars(cls):
+                setattr(cls, FORCED_ROUTING, skewed_routing(request, expected))
+                patched.append(f"{name}.{cls.__name__}")
+    if not patched:
+        raise SystemExit(
+            f"moe_perf.titan_entry: routing=skew needs a torchtitan router with "
+            f"{FORCED_ROUTING} in one of {', '.join(ROUTER_MODULES)}; this torchtitan has none"
+        )
+    return patched
+
+
+def skew_request(ours: argparse.Namespace) -> dict:
+    return {"ep": ours.skew_ep, "imbalance": ours.skew, "shape": ours.skew_shape,
+            "hot_experts": ours.skew_hot_experts, "hot_ranks": ours.skew_hot_ranks}  # fmt: skip
+
+
+def expected_call(ours: argparse.Namespace) -> tuple | None:
+    """(tokens, experts, top-k, device) of this rank's router calls, as our flags give them
+    (the device: torchtitan's, cuda:LOCAL_RANK)."""
+    if ours.skew_tokens is None:
+        return None
+    import torch
+
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return ours.skew_tokens, ours.skew_experts, ours.skew_top_k, device
 
 
 def cut_model_args(args, num_layers: int):
@@ -102,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         compile_model = "--compile.enable" in titan_args
         register_config(ours.model, ours.base, ours.name, ours.num_layers, ours.float8,
                         compile_model)  # fmt: skip
+    if ours.skew is not None:
+        install_skew(skew_request(ours), expected_call(ours))
     train = importlib.import_module("torchtitan.train")
     if inspect.signature(train.main).parameters:  # 0.2: main(trainer_class)
         train.main(train.Trainer)

@@ -58,9 +58,9 @@ def make_config(world, pp_, cp, ep, micro_batch, benchmark, load_balance, schedu
                 "sequence_length": SEQ,
                 "global_batch": GLOBAL_BATCH,
                 "micro_batch": micro_batch,
-                "benchmark": benchmark,
                 "seed": 0,
             },
+            "routing": {"mode": "balanced" if benchmark else "real"},
             "trainer": {"pp_schedule": schedule, "activation_checkpointing": ac},
         }
     )

@@ -67,7 +67,7 @@ def test_defaults():
     assert cfg.refs.base == "main" and cfg.repeat == 0 and cfg.repo == "."
     t = cfg.training
     assert (t.sequence_length, t.global_batch, t.micro_batch, t.max_steps) == (512, 32, 4, 8)
-    assert t.benchmark is True and t.device == "auto"
+    assert t.device == "auto" and cfg.routing.mode == "balanced"
     assert cfg.data.corpus is None and cfg.data.root == "workspace/datasets"
     assert cfg.wandb.mode == "auto"
     assert list(cfg.trainer.command) == ["-m", "moe_perf.trainer"]
@@ -187,13 +187,13 @@ def test_the_schema_is_the_trainers_dataclasses():
     from moe_perf.runner.schema import MoePerfConfig, ReferenceTrainerSchema
 
     types = {f.name: f.type for f in fields(MoePerfConfig)}
-    for section in ("model", "mesh", "dtype", "training", "data"):
+    for section in ("model", "mesh", "dtype", "training", "data", "routing"):
         assert types[section] == f"{section.capitalize()}Config"
         assert MoePerfConfig.__annotations__[section] == types[section]
     assert issubclass(ReferenceTrainerSchema, trainer_config.TrainerConfig)
 
     cfg = composed("model=qwen3-30b-a3b", "dtype=bf16")  # a preset that sets no training values
-    sections = ("mesh", "dtype", "training", "data", "trainer")
+    sections = ("mesh", "dtype", "training", "data", "trainer", "routing")
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in sections}
     read = trainer_config.config_from_dict(
         {"model": OmegaConf.to_container(cfg.model, resolve=True)}

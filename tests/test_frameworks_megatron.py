@@ -125,7 +125,7 @@ def test_architecture_comes_from_the_preset(model):
 
 
 def test_mesh_shapes_fp8_and_extra_args():
-    cfg = composed("model=qwen3-30b-a3b", "mesh=pp2_ep4", "dtype=fp8", "training.benchmark=false",
+    cfg = composed("model=qwen3-30b-a3b", "mesh=pp2_ep4", "dtype=fp8", "routing=real",
                    "trainer.extra_args=[--use-distributed-optimizer]")  # fmt: skip
     argv = megatron_argv(cfg)
     assert flag(argv, "--pipeline-model-parallel-size") == "2"
@@ -215,3 +215,13 @@ def test_bench_script_plants_the_spin_before_the_optimizer_step_and_interleaves_
     )
     jobs = re.findall(r"#\d+ : .*? repeat=(\d) arm=(\w+)", run.stdout)
     assert jobs == [("0", "base"), ("0", "feat"), ("1", "base"), ("1", "feat")]
+
+
+def test_routing_balanced_and_real_map_to_megatrons_router_and_skew_is_refused(tmp_path):
+    assert "--moe-router-force-load-balancing" in megatron_argv(composed("routing=balanced"))
+    assert "--moe-router-force-load-balancing" not in megatron_argv(composed("routing=real"))
+    skew = composed("model=qwen3-30b-a3b", "routing=skew")
+    for call in (lambda: Megatron().check(skew, tmp_path), lambda: megatron_argv(skew)):
+        with pytest.raises(PrerequisiteError, match="trainer=megatron: routing=skew needs a "
+                           "planned per-expert assignment"):  # fmt: skip
+            call()

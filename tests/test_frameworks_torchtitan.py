@@ -128,7 +128,7 @@ def test_full_depth_fp8_unbalanced_and_extra_args_reach_torchtitan(tmp_path):
     if cli != TOML_CLI:
         pytest.skip(f"the installed torchtitan speaks the {cli} CLI")
     cfg = composed(
-        "model=qwen3-30b-a3b", "mesh=ep8", "dtype=fp8", "training.benchmark=false",
+        "model=qwen3-30b-a3b", "mesh=ep8", "dtype=fp8", "routing=real",
         "trainer.compile=true", "trainer.extra_args=[--training.steps,20,--compile.no-enable]",
     )  # fmt: skip
     launch = TorchTitan().launch(cfg, tmp_path, tmp_path / "config.yaml", tree)
@@ -357,3 +357,70 @@ def test_dry_run_prints_the_exact_command_from_the_arms_worktree(
     listed = subprocess.run(["git", "-C", str(titan_repo), "worktree", "list"], check=True,
                             capture_output=True, text=True).stdout  # fmt: skip
     assert len(listed.strip().splitlines()) == 1  # the worktree is gone again
+
+
+# --- routing=skew: our plan inside torchtitan's own router ---------------------------------
+
+
+@needs_torchtitan
+def test_skew_runs_our_entry_and_torchtitans_router_sends_by_the_plan(tmp_path, monkeypatch):
+    """The command selects torchtitan's forced routing and our entry with the plan's knobs;
+    the entry's replacement, installed in the installed torchtitan, makes its router (a real
+    TokenChoiceTopKRouter, on CPU) send exactly the planned counts."""
+    import torch
+
+    from moe_perf.common.routing import skew_plan
+    from moe_perf.titan_entry import (
+        FORCED_ROUTING,
+        expected_call,
+        install_skew,
+        parse,
+        skew_request,
+    )
+
+    tree, cli = INSTALLED
+    if cli != TOML_CLI:
+        pytest.skip(f"the installed torchtitan speaks the {cli} CLI")
+    cfg = composed("model=qwen3-30b-a3b", "mesh=ep4", "routing=skew", "routing.imbalance=4",
+                   "routing.shape=zipf")  # fmt: skip
+    launch = TorchTitan().launch(cfg, tmp_path, tmp_path / "config.yaml", tree)
+    entry = entry_args(launch.argv)
+    assert entry["--as"] == entry["--base"] == "30B-A3B"  # full depth: the entry for the plan
+    assert (entry["--skew"], entry["--skew-shape"], entry["--skew-ep"]) == ("4.0", "zipf", "4")
+    # a router call: one rank's micro-batch (1 x 2048 tokens), made before torchtitan compiles
+    assert (entry["--skew-tokens"], entry["--skew-experts"], entry["--skew-top-k"]) == (
+        "2048", "128", "8")  # fmt: skip
+    job = parse_with_torchtitan(titan_args(launch.argv))
+    assert job.debug.moe_force_load_balance is True
+
+    from torchtitan.models.moe import moe as titan_moe
+
+    router_cls = titan_moe.TokenChoiceTopKRouter
+    monkeypatch.setattr(router_cls, FORCED_ROUTING, getattr(router_cls, FORCED_ROUTING))
+    ours, _ = parse(launch.argv[2:])
+    patched = install_skew(skew_request(ours), expected_call(ours))
+    assert "torchtitan.models.moe.moe.TokenChoiceTopKRouter" in patched
+    E, K, T = cfg.model.num_experts, cfg.model.top_k, 2048
+    router = router_cls(dim=16, num_experts=E, num_expert_groups=None, num_limited_groups=None,
+                        top_k=K, score_func="softmax", route_norm=True, route_scale=1.0,
+                        gate_bias=False, _debug_force_load_balance=True)  # fmt: skip
+    # what its forward calls under --debug.moe_force_load_balance (the forward itself ends in
+    # torch.histc over int64 ids, which runs on CUDA only)
+    scores_TE = router.gate(torch.randn(T, 16)).softmax(-1)
+    ids, top_scores = getattr(router, FORCED_ROUTING)(scores_TE)
+    plan = skew_plan(num_experts=E, top_k=K, tokens=T, ep=4, imbalance=4.0, shape="zipf")
+    assert torch.bincount(ids.reshape(-1), minlength=E).tolist() == list(plan.counts)
+    assert (ids.sort(1).values.diff(dim=1) > 0).all()  # K distinct experts per token
+    assert torch.equal(top_scores, scores_TE.gather(1, ids))  # the router's real scores
+
+
+def test_skew_needs_the_forced_routing_method_in_the_arms_torchtitan(titan_repo):
+    check(titan_repo, "model=qwen3-30b-a3b", "routing=skew")
+    moe_py = titan_repo / "torchtitan/models/moe/moe.py"
+    moe_py.write_text(moe_py.read_text().replace("_debug_force_load_balance_routing", "_gone"))
+    subprocess.run(["git", "-C", str(titan_repo), "commit", "-qam", "no forced routing"],
+                   check=True)  # fmt: skip
+    check(titan_repo, "model=qwen3-30b-a3b", "routing=real")
+    with pytest.raises(PrerequisiteError, match="routing=skew: the torchtitan at .* has no "
+                       "router method _debug_force_load_balance_routing"):  # fmt: skip
+        check(titan_repo, "model=qwen3-30b-a3b", "routing=skew")

@@ -114,7 +114,7 @@ def bench_config(model: str, layers: int, global_batch: int, micro_batch: int) -
     preset = yaml.safe_load((ROOT / "conf" / "model" / f"{model}.yaml").read_text())
     preset.update(num_layers=layers, dense_layers=min(preset["dense_layers"], layers))
     training = {"sequence_length": 2048, "global_batch": global_batch,
-                "micro_batch": micro_batch, "benchmark": True, "device": "cuda"}  # fmt: skip
+                "micro_batch": micro_batch, "device": "cuda"}  # fmt: skip
     return {"model": preset, "dtype": {"name": "bf16"}, "training": training,
             "trainer": {"name": "reference", "compile": True}}  # fmt: skip
 
@@ -211,3 +211,50 @@ def test_the_compiled_estimate_is_what_a_compiled_block_saves():
     saved = saved_for_backward(y, list(block.parameters()))
     torch._dynamo.reset()  # no compiled code left for later tests
     assert abs(saved / estimated - 1) <= 0.05
+
+
+def skewed(*overrides: str):
+    """qwen3-30b-a3b cut to 4 layers on ep8, one rank's view, Zipf-skewed routing."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
+        return compose("config", overrides=[
+            "model=qwen3-30b-a3b", "model.num_layers=4", "mesh=ep8", "training.micro_batch=4",
+            "training.device=cuda", "routing=skew", "routing.shape=zipf", *overrides])  # fmt: skip
+
+
+def estimate_of(cfg) -> memory.MemoryEstimate:
+    from omegaconf import OmegaConf
+
+    sections = {k: OmegaConf.to_container(cfg[k], resolve=True)
+                for k in preflight.TRAINER_SECTIONS}  # fmt: skip
+    return memory.estimate(config_from_dict(sections), "cuda")
+
+
+def test_skew_loads_the_busiest_ep_ranks_activations_only():
+    """The experts' side of every MoE layer grows by the busiest EP rank's share of the slots
+    (the plan's rank imbalance); weights, the tokens' side and one-rank meshes do not move."""
+    balanced = estimate_of(skewed("routing.imbalance=1"))
+    previous = balanced
+    for r in (1.5, 2.0, 4.0):
+        e = estimate_of(skewed(f"routing.imbalance={r}"))
+        assert e.activations > previous.activations and e.weights == balanced.weights
+        assert (e.gradients, e.logits) == (balanced.gradients, balanced.logits)
+        previous = e
+    spread = estimate_of(skewed("routing.imbalance=4", "routing.hot_ranks=8"))
+    assert balanced.activations < spread.activations < previous.activations
+    one_rank = [skewed("mesh=single", "model.num_layers=1", f"routing.imbalance={r}")
+                for r in (1, 4)]  # fmt: skip
+    assert estimate_of(one_rank[0]).total == estimate_of(one_rank[1]).total
+
+
+def test_a_skew_that_cannot_fit_is_refused_with_the_imbalance_that_would():
+    fits_at_2 = estimate_of(skewed("routing.imbalance=2")).gib()
+    cfg = skewed("routing.imbalance=4", f"mesh.device_memory_gib={fits_at_2}")
+    with pytest.raises(preflight.PrerequisiteError) as err:
+        preflight.check_memory(cfg)
+    message = str(err.value)
+    tag = "pp1-dp8-cp1-ep8-seq2048-bf16-skew4.0-zipf"
+    assert f"out of memory before it starts: qwen3-30b-a3b {tag} needs" in message
+    assert "would fit: " in message and ", routing.imbalance=2;" in message
+    preflight.check_memory(skewed("routing.imbalance=2", f"mesh.device_memory_gib={fits_at_2}"))

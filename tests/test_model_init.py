@@ -211,7 +211,6 @@ def _config(world: int, pp_: int, ep: int, **model):
                 "sequence_length": 16,
                 "global_batch": 8,
                 "micro_batch": 1,
-                "benchmark": True,
                 "seed": SEED,
             },
         }

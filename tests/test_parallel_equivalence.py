@@ -54,9 +54,9 @@ def tiny_config(dp: int, ep: int, micro_batch: int, benchmark: bool, load_balanc
                 "sequence_length": SEQ,
                 "global_batch": GLOBAL_BATCH,
                 "micro_batch": micro_batch,
-                "benchmark": benchmark,
                 "seed": 0,
             },
+            "routing": {"mode": "balanced" if benchmark else "real"},
         }
     )
     cfg.validate()

@@ -28,7 +28,6 @@ def write_config(tmp_path: Path, **sections) -> Path:
             "global_batch": 4,
             "micro_batch": 1,
             "max_steps": 3,
-            "benchmark": True,
             "seed": 5,
             "lr": 1e-3,
             "device": "cpu",

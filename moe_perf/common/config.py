@@ -28,6 +28,7 @@ from typing import Any, Optional, get_type_hints
 
 import yaml
 
+from moe_perf.common import routing as routing_plan
 from moe_perf.common.mesh import MeshDims
 
 # Activation checkpointing: off, or every transformer block recomputed in backward.
@@ -173,10 +174,73 @@ class TrainingConfig:
     global_batch: int = knob(32, min=1)
     micro_batch: int = knob(1, min=1)
     max_steps: int = knob(8, min=2, why="step 1 is dropped as warm-up")
-    benchmark: bool = True  # forced-balance routing
     seed: int = knob(1234, min=0)
     lr: float = knob(3e-4, above=0)
     device: str = knob("auto", choices=("auto", "cpu", "cuda"))  # auto: cuda if available
+
+
+@dataclass
+class RoutingConfig:
+    """Which experts the tokens are sent to (conf/routing/*.yaml; docs/routing.md).
+
+    balanced: the router runs, then every token's experts are replaced by a round-robin over
+    the global slot index (exact balance); skew: replaced by a fixed plan with the busiest
+    expert at `imbalance` x the mean (common/routing.py); real: the router's own top-k.
+    The other keys are skew's; under balanced and real they keep their defaults.
+    """
+
+    mode: str = knob("balanced", choices=routing_plan.MODES)
+    imbalance: float = knob(2.0, min=1)  # the busiest expert's tokens over the mean
+    shape: str = knob("hot", choices=routing_plan.SHAPES)
+    hot_experts: int = knob(1, min=1)  # shape=hot: how many experts are hot
+    hot_ranks: int = knob(1, min=1)  # EP ranks the busiest experts fill (1: one straggler)
+
+    @property
+    def forced(self) -> bool:
+        """Whether the router's choice is replaced (balanced, skew): the trainer then numbers
+        tokens by their global index (MeshDims.token_offset)."""
+        return self.mode != "real"
+
+
+SKEW_KEYS = ("imbalance", "shape", "hot_experts", "hot_ranks")
+
+
+def routing_problems(routing: Any, model: Any, dims: MeshDims, training: Any) -> list[str]:
+    """What the routing request cannot do with this model, mesh and batch (runner and trainer
+    alike): a skew knob set under another mode, or a skew no plan meets (common/routing.py).
+    Attribute access only: a RoutingConfig or a composed config node."""
+    mode = str(routing.mode)
+    if mode != "skew":
+        changed = [k for k in SKEW_KEYS if getattr(routing, k) != _default(RoutingConfig, k)]
+        return [
+            f"routing.{k}={getattr(routing, k)} is used only by routing=skew (this run is "
+            f"routing={mode}); add routing=skew or remove routing.{k}"
+            for k in changed
+        ]
+    try:
+        skew_plan_of(routing, model, dims, training)
+    except routing_plan.RoutingError as err:
+        return [str(err)]
+    return []
+
+
+def skew_plan_of(routing: Any, model: Any, dims: MeshDims, training: Any):
+    """The skew plan of one rank's micro-batch (micro_batch * sequence_length / cp tokens)."""
+    return routing_plan.skew_plan(
+        num_experts=int(model.num_experts),
+        top_k=int(model.top_k),
+        tokens=dims.tokens_per_microbatch(int(training.micro_batch),
+                                          int(training.sequence_length)),
+        ep=dims.ep,
+        imbalance=float(routing.imbalance),
+        shape=str(routing.shape),
+        hot_experts=int(routing.hot_experts),
+        hot_ranks=int(routing.hot_ranks),
+    )  # fmt: skip
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
 
 
 @dataclass
@@ -246,6 +310,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
 
     @property
     def mesh_dims(self) -> MeshDims:
@@ -279,6 +344,8 @@ class Config:
             num_experts=self.model.num_experts,
         )
         for problem in model_problems(self.model):
+            raise ConfigError(problem)
+        for problem in routing_problems(self.routing, self.model, dims, t):
             raise ConfigError(problem)
         return dims
 
@@ -337,6 +404,12 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 def config_from_dict(raw: dict) -> Config:
     if "model" not in raw:
         raise ConfigError("config has no model section")
+    if "benchmark" in (raw.get("training") or {}):
+        # an old config's forced-balance switch: ignoring it would silently run balanced
+        raise ConfigError(
+            "training.benchmark was replaced by the routing group: routing.mode=balanced (was "
+            "true) or routing.mode=real (was false)"
+        )
     return Config(
         model=_build(ModelConfig, raw["model"], "model"),
         mesh=_build(MeshConfig, raw.get("mesh"), "mesh"),
@@ -344,6 +417,7 @@ def config_from_dict(raw: dict) -> Config:
         training=_build(TrainingConfig, raw.get("training"), "training"),
         data=_build(DataConfig, raw.get("data"), "data"),
         trainer=_build(TrainerConfig, raw.get("trainer"), "trainer"),
+        routing=_build(RoutingConfig, raw.get("routing"), "routing"),
     )
 
 

@@ -16,7 +16,9 @@ states, gradients set to None between steps):
                eager, or what a compiled block's graphs keep, a smaller set), for the
                micro-batches in flight (1; under pp > 1 up to pp for 1F1B, all for GPipe);
                with activation checkpointing only each block's input, plus one layer
-               recomputed;
+               recomputed; under routing=skew with ep > 1 the experts' side (the dispatched
+               rows and the expert matmuls' outputs) at the busiest EP rank's share of the
+               slots (`received_share`);
 * logits       the [tokens x vocab] tensors alive at the loss's backward (`logits_bytes`: three
                fp32 ones eager, two in the compute dtype compiled, one on CUDA without
                pipeline stages, whose Triton loss writes the gradient over the logits), on the
@@ -39,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moe_perf.common.config import Config, ModelConfig
+from moe_perf.common.config import Config, ModelConfig, skew_plan_of
 
 GIB = 2**30
 RUNTIME_BYTES = {"cpu": 0.35 * GIB, "cuda": 1.0 * GIB}
@@ -74,14 +76,16 @@ def layer_params(m: ModelConfig, layer: int) -> LayerParams:
 
 
 def layer_activation_bytes(
-    m: ModelConfig, layer: int, tokens: int, b: int, compiled: bool = False, r: int = 4
-) -> int:
+    m: ModelConfig, layer: int, tokens: int, b: int, compiled: bool = False, r: int = 4,
+    received: float = 1.0,
+) -> int:  # fmt: skip
     """Bytes autograd saves for one layer's backward at `tokens` tokens per rank; `b` = bytes
     of the compute dtype, `r` of the residual stream and the norms' outputs (fp32 under
     autocast over fp32 parameters, bf16 with bf16 compute weights). `compiled`: the block
-    under torch.compile, which saves a different set."""
+    under torch.compile, which saves a different set. `received`: the slots this rank's
+    experts process over the T*K its tokens send (1 when routing is balanced)."""
     if compiled:
-        return compiled_layer_bytes(m, layer, tokens, b, r)
+        return compiled_layer_bytes(m, layer, tokens, b, r, received)
     T, D, vd = tokens, m.hidden, m.v_head_dim or m.head_dim
     qkv = m.num_heads * m.head_dim + m.num_kv_heads * (m.head_dim + vd)
     rot = m.head_dim * m.rope_fraction
@@ -94,16 +98,18 @@ def layer_activation_bytes(
     if layer < m.dense_layers:
         return attn + ffn_in + 4 * b * T * m.dense_ffn + b * T * D
     N, F = T * m.top_k, m.expert_ffn
+    Nr = round(N * received)  # slots on the experts' side of the dispatch
     router = 2 * 4 * T * m.num_experts + 12 * T * m.top_k  # fp32 logits, scores; ids, weights
     # routed: permuted rows (fp32 and their cast), w1 and w3 out, SwiGLU's two intermediates,
-    # w2 out, combined rows and their weighted product
-    routed = (4 + b) * N * D + 4 * b * N * F + b * N * D + 2 * b * N * D
+    # w2 out (the experts' side), combined rows and their weighted product (the tokens' side)
+    routed = (4 + b) * Nr * D + 4 * b * Nr * F + b * Nr * D + 2 * b * N * D
     shared_ffn = m.num_shared_experts * m.shared_expert_ffn
     shared = 4 * b * T * shared_ffn + b * T * D if shared_ffn else 0
     return attn + ffn_in + router + routed + shared
 
 
-def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int, r: int = 4) -> int:
+def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int, r: int = 4,
+                         received: float = 1.0) -> int:  # fmt: skip
     """What a compiled block saves: the tensors AOTAutograd's partitioner keeps between the
     forward and backward graphs (read off their signatures, TORCH_LOGS=aot_graphs, on a block
     of qwen3-30b-a3b's proportions, of gpt-oss's and of deepseek-v2-lite's). It recomputes
@@ -122,11 +128,13 @@ def compiled_layer_bytes(m: ModelConfig, layer: int, tokens: int, b: int, r: int
     if layer < m.dense_layers:
         return attn + b * T * D + 3 * b * T * m.dense_ffn  # norm's cast; w1, w3, SwiGLU out
     N, F = T * K, m.expert_ffn
+    Nr = round(N * received)  # slots on the experts' side of the dispatch
     # the norm's cast (the routed rows are gathered again from it in backward), fp32 scores,
     # int64 ids and fp32 gating weights, the slots' sort order and its inverse (int64)
     router = b * T * D + 4 * T * E + 12 * T * K + 16 * N
-    # routed rows in the compute dtype and w2's output; w1 and w3 out and SwiGLU's output
-    routed = 2 * b * N * D + 3 * b * N * F
+    # routed rows in the compute dtype and w2's output; w1 and w3 out and SwiGLU's output (all
+    # on the experts' side of the dispatch)
+    routed = 2 * b * Nr * D + 3 * b * Nr * F
     shared = 3 * b * T * m.num_shared_experts * m.shared_expert_ffn
     return attn + router + routed + shared
 
@@ -177,6 +185,16 @@ class MemoryEstimate:
         return f"{self.gib():.1f} GiB per rank ({shown} GiB)"
 
 
+def received_share(cfg: Config) -> float:
+    """Slots the busiest EP rank's experts process over the T*K its tokens send: the skew
+    plan's rank imbalance (every rank of an EP group sends the same counts, common/routing.py);
+    1 under balance, and under routing=real, whose counts are not known before the run."""
+    dims = cfg.mesh_dims
+    if cfg.routing.mode != "skew" or dims.ep == 1:
+        return 1.0
+    return skew_plan_of(cfg.routing, cfg.model, dims, cfg.training).rank_imbalance
+
+
 def estimate(cfg: Config, device: str) -> MemoryEstimate:
     """The worst rank's peak, in bytes, of the reference trainer with `cfg` on `device`
     ("cpu" or "cuda")."""
@@ -193,6 +211,7 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
     r = 2 if cfg.master_weights else 4
     dense_shard = dims.dp_cp if fsdp else 1
     expert_shard = dims.ep * (dims.edp if dims.edp > 1 else 1)
+    received = received_share(cfg)
 
     per_stage = math.ceil(m.num_layers / dims.pp)
     stages = []
@@ -213,7 +232,7 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
             biggest = max((c.dense + c.experts / dims.ep for c in counts), default=0)
             copies += 2 * (dense - embedding if not fsdp else 2 * biggest)
             copies += 2 * experts / dims.ep if dims.edp == 1 else 0
-        saved = [layer_activation_bytes(m, i, tokens, b, compiled, r) for i in layers]
+        saved = [layer_activation_bytes(m, i, tokens, b, compiled, r, received) for i in layers]
         if cfg.trainer.activation_checkpointing == "full":
             acts = len(saved) * 4 * tokens * m.hidden * in_flight + max(saved, default=0)
         else:

@@ -139,14 +139,29 @@ def run_flags(cfg: Any) -> list[str]:
         # Megatron's default persist_layer_norm=True ("persist_layer_norm not supported by
         # torch LayerNorm")
         flags.append("--no-persist-layer-norm")
-    if t.benchmark:
-        # router logits replaced by fresh noise: balanced on average, not exactly
-        flags.append("--moe-router-force-load-balancing")
+    flags += routing_flags(cfg)
     if cfg.dtype.name != "fp32":
         flags.append("--bf16")
     if cfg.dtype.fp8:
         flags += ["--fp8-format", "hybrid"]
     return flags
+
+
+def routing_flags(cfg: Any) -> list[str]:
+    """routing=balanced: Megatron's own forced balance, router logits replaced by fresh noise
+    (balanced on average, not exactly: docs/routing.md); real: its router as it is. skew has no
+    Megatron flag: its force-balance flag takes no target, and its biased router (a per-expert
+    logit bias drawn with a std) states no imbalance, so neither gives a planned count."""
+    mode = str(cfg.routing.mode)
+    if mode == "skew":
+        raise PrerequisiteError(
+            "trainer=megatron: routing=skew needs a planned per-expert assignment, which "
+            "Megatron-LM's router has no option for (--moe-router-force-load-balancing draws "
+            "random logits; a biased router takes a logit std, not an imbalance); use "
+            "routing=balanced or routing=real with Megatron, or trainer=reference / "
+            "trainer=torchtitan for routing=skew"
+        )
+    return ["--moe-router-force-load-balancing"] if mode == "balanced" else []
 
 
 def profiling_flags(cfg: Any, arm_dir: Path) -> list[str]:
@@ -179,6 +194,7 @@ class Megatron:
     name = "megatron"
 
     def check(self, cfg: Any, repo: Path) -> None:
+        routing_flags(cfg)  # routing=skew is refused here, before launch
         code = ArmCode.at_ref(repo, str(cfg.arm.ref)) if cfg.arm.get("ref") else ArmCode(repo)
         script = str(cfg.trainer.get("script") or "pretrain_gpt.py")
         if not code.has(script) or not code.has("megatron/training/arguments.py"):

@@ -8,10 +8,11 @@ PYTHONPATH), and so is the CLI it speaks, read from its files:
 * 0.3.x (`torchtitan/trainer.py`, no job_config.py): a Python config registry,
   `--module <model> --config <function of its config_registry>`.
 
-torchtitan has no flag for the depth or (0.3.x) for float8: a cut depth or fp8 under 0.3.x runs
-`python -m moe_perf.titan_entry`, which registers a derived flavor (config) in-process and then
-calls torchtitan's own main. Everything else is torchtitan's flags, mapped from the composed
-config; `trainer.extra_args` is appended last, so it can override any of them.
+torchtitan has no flag for the depth, (0.3.x) for float8 or for a skewed routing: a cut depth,
+fp8 under 0.3.x or routing=skew runs `python -m moe_perf.titan_entry`, which registers a
+derived flavor (config) and the skew plan in-process and then calls torchtitan's own main.
+Everything else is torchtitan's flags, mapped from the composed config; `trainer.extra_args` is
+appended last, so it can override any of them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.armcode import ArmCode, check_fp8_host, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
 from moe_perf.report.explain import explain_steps
+from moe_perf.titan_entry import FORCED_ROUTING, ROUTER_MODULES
 
 TOML_CLI = "0.2"  # JobConfig + TOML, --model.name/--model.flavor
 REGISTRY_CLI = "0.3"  # --module/--config
@@ -146,8 +148,10 @@ def training_flags(cfg: Any) -> list[str]:
         "--training.steps", str(t.max_steps),
         "--training.mixed_precision_param", "float32" if cfg.dtype.name == "fp32" else "bfloat16",
         "--debug.seed", str(t.seed),
-        # forced balance: expert ids replaced by a round-robin after the real top-k
-        "--debug.moe_force_load_balance" if t.benchmark else "--debug.no_moe_force_load_balance",
+        # forced routing (balanced: torchtitan's round-robin; skew: the entry's plan in its
+        # place) replaces the expert ids after the real top-k; real: the router's own
+        "--debug.moe_force_load_balance" if str(cfg.routing.mode) != "real"
+        else "--debug.no_moe_force_load_balance",
         "--metrics.log_freq", "1",
         "--checkpoint.no_enable",
     ]  # fmt: skip
@@ -277,6 +281,34 @@ def check_model_code(cfg: Any, code: ArmCode, model: TitanModel, cli: str) -> No
         )
 
 
+def check_routing(cfg: Any, code: ArmCode) -> None:
+    """routing=skew is installed by our entry in place of torchtitan's forced-routing method:
+    the arm's torchtitan must have one."""
+    if str(cfg.routing.mode) != "skew":
+        return
+    files = [m.replace(".", "/") + ".py" for m in ROUTER_MODULES]
+    if not any(f"def {FORCED_ROUTING}" in (code.read(f) or "") for f in files):
+        raise PrerequisiteError(
+            f"routing=skew: the torchtitan at {code.where()} has no router method "
+            f"{FORCED_ROUTING} (in {', '.join(files)}), which moe_perf replaces by the skew "
+            f"plan; use routing=balanced or routing=real, or a torchtitan that has it"
+        )
+
+
+def skew_entry_args(cfg: Any) -> list[str]:
+    """The entry's flags for routing=skew (titan_entry.install_skew); [] otherwise."""
+    r, t, m = cfg.routing, cfg.training, cfg.model
+    if str(r.mode) != "skew":
+        return []
+    # a router call's tokens: one micro-batch of one rank (torchtitan's local batch, or its
+    # pipeline micro-batch), sequences cut by cp, as the reference trainer's plan
+    tokens = int(t.micro_batch) * int(t.sequence_length) // int(cfg.mesh.cp)
+    return ["--skew", str(float(r.imbalance)), "--skew-shape", str(r.shape),
+            "--skew-hot-experts", str(r.hot_experts), "--skew-hot-ranks", str(r.hot_ranks),
+            "--skew-ep", str(cfg.mesh.ep), "--skew-tokens", str(tokens),
+            "--skew-experts", str(m.num_experts), "--skew-top-k", str(m.top_k)]  # fmt: skip
+
+
 class TorchTitan:
     name = "torchtitan"
 
@@ -285,6 +317,7 @@ class TorchTitan:
         code = ArmCode.at_ref(repo, str(cfg.arm.ref)) if cfg.arm.get("ref") else ArmCode(repo)
         cli = titan_cli(code)
         check_model_code(cfg, code, model, cli)
+        check_routing(cfg, code)
         check_data(cfg, code)
         if str(cfg.dtype.name) not in ("bf16", "fp32", "fp8"):
             raise PrerequisiteError(f"dtype.name={cfg.dtype.name}: torchtitan runs bf16, fp32, fp8")
@@ -318,14 +351,15 @@ class TorchTitan:
             argv.append(
                 f"activation-checkpoint:{cfg.trainer.get('activation_checkpointing') or 'none'}"
             )
-        if name == base:
+        skew = skew_entry_args(cfg)
+        if name == base and not skew:
             entry = ["-m", "torchtitan.train"]
-        else:  # register the derived flavor in-process, then torchtitan's own main
+        else:  # register the derived flavor (and the skew plan) in-process, then torchtitan's main
             entry = ["-m", "moe_perf.titan_entry", "--cli", cli, "--model", model.name,
                      "--base", base, "--as", name]  # fmt: skip
             entry += ["--num-layers", str(layers)] if layers else []
             entry += ["--float8"] if fp8_in_process else []
-            entry.append("--")
+            entry += [*skew, "--"]
         env = dict(OFFLINE_ENV)
         env.update({str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()})
         return TrainerLaunch(argv=entry + argv, env=env, log_format="torchtitan")

@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from moe_perf.common.contract import METRICS as STEP_METRICS
-from moe_perf.report import explain, logformats
+from moe_perf.report import explain, imbalance, logformats
 from moe_perf.report.record import ARMS, load_record, measured_steps, summarize
 from moe_perf.report.record import SCHEMA as ARM_SCHEMA
 from moe_perf.report.record import config_differences as _differences
@@ -321,6 +321,9 @@ def compare_group(model: str, tag: str, records: list[dict], plan: Plan | None =
     section = explain.explain_group(records)  # None unless explain=true or traces exist
     if section is not None:
         group["explain"] = section
+    routing = imbalance.routing_section(group, records)  # None under balanced routing
+    if routing is not None:
+        group["routing"] = routing
     return group
 
 
@@ -359,6 +362,7 @@ def compare_sweep(sweep_dir: Path | str, write: bool = True) -> tuple[dict, str]
     report = compare_records(records, notes, plan, sweep_dir=str(sweep_dir))
     if write:
         explain.write_plot(report, sweep_dir)  # explain.png, named in each group's section
+        imbalance.write_plot(report, sweep_dir)  # step time against imbalance, likewise
         write_outputs(report, sweep_dir)
     return report, render(report)
 

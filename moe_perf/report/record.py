@@ -34,6 +34,9 @@ ARMS = ("base", "feat")
 STEP_KEYS = ("step", *METRICS)
 # summarized by their median; peak memory by its maximum; loss is shown per step only
 MEDIAN_METRICS = tuple(m for m in METRICS if m not in ("peak_mem_gib", "loss"))
+# The routing a step had, per step from the reference trainer (docs/routing.md): summarized by
+# their median, only where a trainer printed them.
+IMBALANCE_METRICS = ("expert_imbalance", "rank_imbalance")
 # The identity rule: the only keys allowed to differ between the arms of one comparison.
 ARM_KEYS = ("arm", "repeat")
 
@@ -82,7 +85,18 @@ def summarize(steps: list[dict]) -> dict:
     for key in MEDIAN_METRICS:
         summary[key] = _median(s.get(key) for s in measured)
     summary["peak_mem_gib"] = _maximum(s.get("peak_mem_gib") for s in measured)
+    summary.update(imbalance_summary(measured))
     return summary
+
+
+def imbalance_summary(measured: list[dict]) -> dict:
+    """Medians of the measured steps' `expert_imbalance` and `rank_imbalance` (the busiest
+    expert's and EP rank's tokens over the mean); {} for a trainer that prints none."""
+    return {
+        key: _median(s.get(key) for s in measured)
+        for key in IMBALANCE_METRICS
+        if any(s.get(key) is not None for s in measured)
+    }
 
 
 def step_record(sample: dict) -> dict:

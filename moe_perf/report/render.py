@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_perf.report import explain
+from moe_perf.report import explain, imbalance
 from moe_perf.report.record import ARMS, strict_json
 from moe_perf.stats.verdict import Verdict, describe
 
@@ -134,7 +134,7 @@ def render(report: dict) -> str:
     if not report["groups"]:
         lines.append("No arm records (metrics.json) found.")
     for group in report["groups"]:
-        lines += _group_lines(group) + explain.markdown(group) + [""]
+        lines += _group_lines(group) + explain.markdown(group) + imbalance.markdown(group) + [""]
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -13,6 +13,7 @@ change; the command prints it without a traceback and launches nothing. Three ki
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,10 +23,11 @@ from omegaconf import OmegaConf
 
 from moe_perf import frameworks, launchers
 from moe_perf.common import memory
-from moe_perf.common.config import config_from_dict, model_problems
+from moe_perf.common.config import config_from_dict, model_problems, routing_problems
 from moe_perf.common.corpus import CorpusError, check_corpus
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.common.mesh import MeshError
+from moe_perf.common.routing import RoutingError
 from moe_perf.report.record import ARMS
 from moe_perf.runner import git as gitops
 from moe_perf.runner import schema
@@ -62,6 +64,8 @@ def check_config(cfg: Any) -> None:
     for problem in model_problems(cfg.model):
         raise PrerequisiteError(problem)
     check_mesh(cfg)
+    for problem in routing_problems(cfg.routing, cfg.model, mesh_dims(cfg.mesh), cfg.training):
+        raise PrerequisiteError(problem)
 
 
 def check_mesh(cfg: Any) -> None:
@@ -85,7 +89,7 @@ def check_trainer(cfg: Any, repo: Path) -> None:
     frameworks.get(cfg).check(cfg, repo)
 
 
-TRAINER_SECTIONS = ("model", "mesh", "dtype", "training", "data", "trainer")
+TRAINER_SECTIONS = ("model", "mesh", "dtype", "training", "data", "trainer", "routing")
 
 
 def device_memory(cfg: Any) -> tuple[str, float, str] | None:
@@ -129,7 +133,10 @@ def fitting_overrides(trainer_cfg, device: str, capacity_gib: float) -> list[str
             c = dataclasses.replace(
                 c, **{section: dataclasses.replace(getattr(c, section), **values)}
             )
-        return memory.estimate(c, device).gib() <= capacity_gib
+        try:
+            return memory.estimate(c, device).gib() <= capacity_gib
+        except RoutingError:  # a change the skew plan cannot meet (hot_ranks > a lower ep)
+            return False
 
     dims, m, t = trainer_cfg.mesh_dims, trainer_cfg.model, trainer_cfg.training
     found = []
@@ -157,7 +164,22 @@ def fitting_overrides(trainer_cfg, device: str, capacity_gib: float) -> list[str
     if trainer_cfg.trainer.activation_checkpointing == "none":
         if fits(trainer={"activation_checkpointing": "full"}):
             found.append("trainer.activation_checkpointing=full")
+    imbalance = fitting_imbalance(trainer_cfg, fits)
+    if imbalance is not None:
+        found.append(f"routing.imbalance={imbalance:g}")
     return found
+
+
+def fitting_imbalance(trainer_cfg, fits) -> float | None:
+    """routing=skew: the largest imbalance below the requested one, in steps of 0.1, that
+    fits (a lower skew loads the busiest EP rank less); None when none does or not skew."""
+    r = trainer_cfg.routing
+    if r.mode != "skew":
+        return None
+    for tenths in range(math.ceil(r.imbalance * 10) - 1, 9, -1):
+        if fits(routing={"imbalance": tenths / 10}):
+            return tenths / 10
+    return None
 
 
 # Refused only when the estimate is clearly over the device. Measured against it: on CPU
@@ -188,7 +210,7 @@ def check_memory(cfg: Any, submitting: bool = False) -> None:
     would = (
         f"would fit: {', '.join(fixes)}"
         if fixes
-        else "no single change of ep, pp, layers, micro-batch or checkpointing fits"
+        else "no single change of ep, pp, layers, micro-batch, checkpointing or imbalance fits"
     )
     raise PrerequisiteError(
         f"out of memory before it starts: {cfg.model.name} {cfg.tag} needs about "

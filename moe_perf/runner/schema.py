@@ -10,8 +10,8 @@ and registers, on import (replace=True, so re-imports in tests are harmless):
 * per option of the `trainer` and `launcher` groups, `moe_perf_schema/<group>/<option>`, which
   conf/<group>/<option>.yaml names first in its defaults list (Hydra's pattern for a group
   whose options have different fields);
-* the resolvers `moe_perf.tag`, `moe_perf.repeat_suffix`, `moe_perf.current_branch`,
-  `moe_perf.path_part`.
+* the resolvers `moe_perf.tag`, `moe_perf.routing_tag`, `moe_perf.repeat_suffix`,
+  `moe_perf.current_branch`, `moe_perf.path_part`.
 
 Hydra adds a key given with `+` even to a typed node, so unknown keys are found after compose
 by `unknown_keys` (the pre-flight refuses them), as are values out of range (`out_of_range`).
@@ -33,12 +33,14 @@ from moe_perf.common.config import (
     DtypeConfig,
     MeshConfig,
     ModelConfig,
+    RoutingConfig,
     TrainerConfig,
     TrainingConfig,
     check_values,
     knob,
 )
 from moe_perf.common.mesh import MeshDims, MeshError
+from moe_perf.common.routing import tag_suffix
 from moe_perf.runner import git
 from moe_perf.runner.job import repeat_suffix
 from moe_perf.stats.verdict import DEFAULT_MAX_PAIRS, MEMORY_TOLERANCE, Plan
@@ -163,6 +165,7 @@ class MoePerfConfig:
     dtype: DtypeConfig = field(default_factory=DtypeConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     # typed by the option's own schema (OPTION_SCHEMAS), named in its defaults list
     trainer: Any = MISSING
     launcher: Any = MISSING
@@ -282,6 +285,7 @@ def register() -> None:
         for option, schema in options.items():
             store.store(group=f"moe_perf_schema/{group}", name=option, node=schema)
     OmegaConf.register_new_resolver("moe_perf.tag", _tag, replace=True)
+    OmegaConf.register_new_resolver("moe_perf.routing_tag", tag_suffix, replace=True)
     OmegaConf.register_new_resolver("moe_perf.repeat_suffix", repeat_suffix, replace=True)
     OmegaConf.register_new_resolver("moe_perf.path_part", _path_part, replace=True)
     OmegaConf.register_new_resolver("moe_perf.micro_batch_upto", micro_batch_upto, replace=True)

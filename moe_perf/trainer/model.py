@@ -56,6 +56,7 @@ class Block(nn.Module):
                 load_balance_coeff=m.load_balance_coeff,
                 force_balance=force_balance,
                 balance_ep=balance_ep,
+                layer_id=layer_id,
             )
         else:
             self.ffn = FeedForward(m.hidden, m.dense_ffn, m.swiglu_clamp)

@@ -1,4 +1,4 @@
-"""The mixture-of-experts block: router, forced balance, dispatch, experts, shared experts and
+"""The mixture-of-experts block: router, forced routing, dispatch, experts, shared experts and
 the balance loss, put together; and the setters the train loop and parallelize.py use.
 
 Single-device code. Expert parallelism swaps `MoE.dispatcher` (dispatch.py) and slices the
@@ -21,23 +21,31 @@ from moe_perf.trainer.balance import (
 from moe_perf.trainer.dispatch import LocalDispatcher
 from moe_perf.trainer.experts import GroupedExperts, expert_scope
 from moe_perf.trainer.layers import FeedForward
-from moe_perf.trainer.routing import Router, forced_expert_ids
+from moe_perf.trainer.routing import BalancedSlots, Router
 
 LOAD_BALANCE_KINDS = ("global-batch", "sequence")
 
 
 class MoE(nn.Module):
-    """Routed SwiGLU experts (+ shared experts), forced balance, and the balance loss.
+    """Routed SwiGLU experts (+ shared experts), forced routing, and the balance loss.
 
     Attributes set from outside (not parameters):
+      assignment           the ids tokens are sent to when the router's choice is replaced
+                           (routing.BalancedSlots, routing.SkewedSlots; None: the router's
+                           own top-k); `force_balance` makes a BalancedSlots,
+                           `set_expert_assignment(model, a)` sets all layers.
       global_token_offset  global index of this rank's first token of the current micro-batch
-                           (forced balance), kept in the `token_offset` buffer;
+                           (forced routing), kept in the `token_offset` buffer;
                            `set_token_offset(model, offset)` sets all layers.
       balance_reduction    the sum of the balance-loss statistics over the ranks they span:
                            dp x cp for the global-batch loss, cp for the sequence loss (None:
                            this rank's tokens are all there is).
       aux_loss_grad_scale  gradient the balance loss gets per backward (1/micro-batches).
       last_aux_loss        detached balance loss of the last forward (for logging).
+      last_tokens_per_expert  slots this rank's experts processed in the last forward
+                           (tokens_per_expert_L, as the dispatcher counted them, or an int when
+                           every expert got that many; read by `tokens_processed` after each
+                           forward, outside the step's math).
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class MoE(nn.Module):
         load_balance_coeff: float = 0.0,
         force_balance: bool = False,
         balance_ep: int = 1,
+        layer_id: int = 0,
     ):
         super().__init__()
         if load_balance not in LOAD_BALANCE_KINDS:
@@ -72,9 +81,8 @@ class MoE(nn.Module):
             nn.Linear(dim, 1, bias=False) if shared_ffn and shared_expert_gate else None
         )
         self.load_balance, self.load_balance_coeff = load_balance, load_balance_coeff
-        self.force_balance, self.balance_ep = force_balance, balance_ep
-        if force_balance and num_experts % balance_ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep={balance_ep}")
+        self.layer_id = layer_id  # the model's global layer index (the imbalance record's row)
+        self.assignment = BalancedSlots(num_experts, top_k, balance_ep) if force_balance else None
         # A 0-d tensor, not a Python int: torch.compile would specialize on (and recompile
         # for) every new int offset; a tensor value is not guarded.
         self.register_buffer("token_offset", torch.zeros((), dtype=torch.long), persistent=False)
@@ -86,6 +94,11 @@ class MoE(nn.Module):
         self.balance_reduction: Reduction | None = None
         self.aux_loss_grad_scale = 1.0
         self.last_aux_loss: torch.Tensor | None = None
+        self.last_tokens_per_expert: torch.Tensor | None = None
+
+    @property
+    def force_balance(self) -> bool:
+        return isinstance(self.assignment, BalancedSlots)
 
     @property
     def global_token_offset(self) -> int:
@@ -103,7 +116,7 @@ class MoE(nn.Module):
         offset aligned, and T*K a multiple of E."""
         return (
             self.force_balance
-            and self.balance_ep == 1
+            and self.assignment.ep == 1
             and self.forced_dispatch == "structured"
             and self.slots_aligned
             and (num_tokens * self.top_k) % self.num_experts == 0
@@ -127,15 +140,8 @@ class MoE(nn.Module):
         """(scores_TE, real topk_idx_TK, dispatched topk_idx_TK, gating weights_TK)."""
         scores_TE, real_idx_TK, _ = self.router(x_TD)
         idx_TK = real_idx_TK
-        if self.force_balance:
-            idx_TK = forced_expert_ids(
-                self.token_offset,
-                x_TD.shape[0],
-                self.top_k,
-                self.num_experts,
-                self.balance_ep,
-                x_TD.device,
-            )
+        if self.assignment is not None:
+            idx_TK = self.assignment.expert_ids(self.token_offset, x_TD.shape[0], x_TD.device)
         return scores_TE, real_idx_TK, idx_TK, self.router.gating(scores_TE, idx_TK)
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
@@ -150,6 +156,11 @@ class MoE(nn.Module):
             )
         else:
             x_ND, tokens_per_expert_L, state = self.dispatcher.dispatch(x_TD, idx_TK)
+        # A reference, no work in the step. The round-robin dispatch's counts are one known
+        # number, kept as an int: its torch.full is otherwise dead code that compile drops.
+        self.last_tokens_per_expert = (
+            x_TD.shape[0] * self.top_k // self.num_experts if equal_counts else tokens_per_expert_L
+        )
         with expert_scope():
             y_ND = self.experts(x_ND, tokens_per_expert_L, equal_counts)
         y_TKD = self.dispatcher.combine(y_ND, state)
@@ -168,7 +179,7 @@ class MoE(nn.Module):
 
         if self.load_balance_coeff > 0 and self.training:
             # The loss is computed on the router's own choice (real_idx), which is what it
-            # trains; under forced balance the dispatched ids are uniform by construction.
+            # trains; under forced routing the dispatched ids are fixed by construction.
             aux = self.balance_loss(scores_TE, real_idx_TK, B) * self.load_balance_coeff
             self.last_aux_loss = aux.detach()
             if torch.is_grad_enabled():
@@ -194,6 +205,19 @@ def set_token_offset(model: nn.Module, offset: int) -> None:
     MeshDims.token_offset)."""
     for m in moe_layers(model):
         m.global_token_offset = offset
+
+
+def set_expert_assignment(model: nn.Module, assignment) -> None:
+    """The ids every MoE layer sends tokens to (routing.BalancedSlots or SkewedSlots, one
+    object shared by the layers), or None for the router's own top-k (routing=real)."""
+    for m in moe_layers(model):
+        m.assignment = assignment
+
+
+def tokens_processed(model: nn.Module) -> dict[int, torch.Tensor | int]:
+    """{global layer id: slots this rank's experts processed in the last forward}: references
+    only, so the train loop can keep one per micro-batch inside the timed step for free."""
+    return {m.layer_id: m.last_tokens_per_expert for m in moe_layers(model)}
 
 
 def set_aux_loss_grad_scale(model: nn.Module, scale: float) -> None:

@@ -3,8 +3,8 @@
     init_parallel(mesh_dims, device) -> Parallel    once, after init_process_group
     parallelize(model, par, cfg) -> model           one model, or one pipeline stage of it,
                                                     built on the meta device
-                                                    (model.build_model(device="meta"), with
-                                                    balance_ep = mesh.ep for forced balance);
+                                                    (model.build_model(device="meta"), its
+                                                    routing installed: routing.py);
                                                     a model already materialized (identical
                                                     on every rank) also works
     clip_grad_norm_(params, max_norm, par)          global norm over FSDP and EP shards
@@ -13,7 +13,7 @@ Under pp > 1 the pipeline comes first and wraps this function: pp.pipeline(model
 parallelize) cuts the model into this rank's stages, calls `parallelize` on each and builds the
 schedule over them (train.distribute picks one or the other). The train loop reads ranks and
 groups from `Parallel` (`rank("dp")`, `dp_cp_rank`, `group("dp_cp")`, ...) and sets the
-forced-balance token offset per micro-batch (moe.set_token_offset, MeshDims.token_offset).
+forced-routing token offset per micro-batch (moe.set_token_offset, MeshDims.token_offset).
 
 Order in `parallelize` (each step sees the model the previous one left):
   1. expert parallel       slice expert weights to this rank's experts; all-to-all dispatchers

@@ -21,7 +21,7 @@ schedule runs (from the next stage's gradient, or from the loss on the last stag
 carries every stage's balance loss. Nothing crosses stages but hidden states and their
 gradients.
 
-Forced balance: the global token offset of a microbatch depends on its index. Forward and
+Forced routing: the global token offset of a microbatch depends on its index. Forward and
 backward of one microbatch are not adjacent under 1F1B, and activation checkpointing recomputes
 routing in backward, so the stage sets the offset before every forward AND backward chunk.
 """
@@ -46,7 +46,12 @@ from moe_perf.common.config import ConfigError, ModelConfig
 from moe_perf.common.mesh import check_microbatches
 from moe_perf.trainer.flops import head_forward_flops, layer_forward_flops
 from moe_perf.trainer.model import Transformer, cross_entropy
-from moe_perf.trainer.moe import aux_loss_total, set_aux_loss_grad_scale, set_token_offset
+from moe_perf.trainer.moe import (
+    aux_loss_total,
+    set_aux_loss_grad_scale,
+    set_token_offset,
+    tokens_processed,
+)
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -150,11 +155,13 @@ def split_model(
 
 
 class _Stage(PipelineStage):
-    """A PipelineStage that tells its MoE layers which microbatch runs (forced balance)."""
+    """A PipelineStage that tells its MoE layers which microbatch runs (forced routing) and
+    keeps each forward's expert counts (references: train.step_counts gathers them)."""
 
     def __init__(self, *args, token_offset: Callable[[int], int] | None, **kwargs):
         super().__init__(*args, **kwargs)
         self._token_offset = token_offset
+        self.token_counts: list[dict] = []
 
     def _select(self, microbatch: int) -> None:
         if self._token_offset is not None:
@@ -162,7 +169,9 @@ class _Stage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id, *args, **kwargs):
         self._select(fwd_chunk_id)
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self.token_counts.append(tokens_processed(self.submod))
+        return out
 
     def backward_one_chunk(self, bwd_chunk_id, *args, **kwargs):
         self._select(bwd_chunk_id)  # activation checkpointing recomputes the routing here
@@ -193,6 +202,8 @@ class Pipeline:
         last stage, a detached tensor with no host sync; None elsewhere.
         """
         self.losses = []
+        for stage in self.stages:
+            stage.token_counts = []
         args = (tokens_BS,) if self.has_first else ()
         target = labels_BS if self.has_last else None
         self.schedule.step(*args, target=target, losses=self.losses if self.has_last else None)
@@ -252,7 +263,7 @@ def build_pipeline(
     """Wrap the (already parallelized) stage modules and build the schedule.
 
     `token_offset(microbatch) -> int`: global token index of this rank's first token in that
-    microbatch (forced balance); None when routing is not forced.
+    microbatch (forced routing); None when routing is not forced.
     """
     virtual_stages = len(modules)
     check_schedule(schedule, virtual_stages)
@@ -311,7 +322,7 @@ def pipeline(model: Transformer, par, cfg, parallelize: Callable) -> Pipeline:
         schedule=tr.pp_schedule,
         n_microbatches=dims.microbatches(t.global_batch, t.micro_batch),
         device=par.device,
-        token_offset=token_offset if t.benchmark else None,
+        token_offset=token_offset if cfg.routing.forced else None,
     )
 
 

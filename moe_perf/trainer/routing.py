@@ -1,5 +1,9 @@
-"""Routing: the router's scores and top-k, and forced balance (the ids a token is sent to).
+"""Routing: the router's scores and top-k, and the ids a token is sent to when the router's
+choice is replaced (routing=balanced: forced balance; routing=skew: a stated imbalance).
 
+One class per forced routing behind one interface, `expert_ids(token_offset, num_tokens,
+device) -> topk_idx_TK`, installed in every MoE layer (moe.set_expert_assignment); routing=real
+installs none and the router's own top-k is dispatched.
 Shapes: the trainer's legend (moe_perf/trainer/__init__.py).
 """
 
@@ -7,6 +11,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from moe_perf.common.config import Config, skew_plan_of
+from moe_perf.common.mesh import MeshDims
+from moe_perf.common.routing import SkewPlan
 
 
 def forced_expert_ids(
@@ -34,6 +42,54 @@ def forced_expert_ids(
     g_T1 = torch.arange(num_tokens, device=device, dtype=torch.long).unsqueeze(1)
     s_TK = (global_token_offset + g_T1) * top_k + torch.arange(top_k, device=device)
     return (s_TK % ep) * per_rank + (s_TK // ep) % per_rank
+
+
+class BalancedSlots:
+    """routing=balanced: `forced_expert_ids`, exact balance per step."""
+
+    def __init__(self, num_experts: int, top_k: int, ep: int):
+        if num_experts % ep:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep={ep}")
+        self.num_experts, self.top_k, self.ep = num_experts, top_k, ep
+
+    def expert_ids(self, token_offset, num_tokens: int, device=None) -> torch.Tensor:
+        return forced_expert_ids(
+            token_offset, num_tokens, self.top_k, self.num_experts, self.ep, device
+        )
+
+
+class SkewedSlots:
+    """routing=skew: token g gets row g mod T of the plan's T x K table (common/routing.py),
+    found by a sorted search of the slot's position k*T + row among the experts' slot ends, so
+    only E ends live on the device. A micro-batch of T tokens on a rank is one whole table:
+    exactly the planned counts per expert, per rank, per micro-batch and per step."""
+
+    def __init__(self, plan: SkewPlan, device=None):
+        self.plan = plan
+        self.slot_ends_E = torch.tensor(plan.slot_ends(), dtype=torch.long, device=device)
+        self.top_k = plan.top_k
+
+    def expert_ids(self, token_offset, num_tokens: int, device=None) -> torch.Tensor:
+        T = self.plan.tokens
+        row_T = (token_offset + torch.arange(num_tokens, device=device)) % T
+        position_TK = row_T.unsqueeze(1) + T * torch.arange(self.top_k, device=device)
+        return torch.searchsorted(self.slot_ends_E, position_TK, right=True)
+
+
+ASSIGNMENTS = {
+    "balanced": lambda cfg, dims, device: BalancedSlots(
+        cfg.model.num_experts, cfg.model.top_k, dims.ep
+    ),
+    "skew": lambda cfg, dims, device: SkewedSlots(
+        skew_plan_of(cfg.routing, cfg.model, dims, cfg.training), device
+    ),
+    "real": lambda cfg, dims, device: None,  # the router's own top-k
+}
+
+
+def expert_assignment(cfg: Config, dims: MeshDims, device) -> BalancedSlots | SkewedSlots | None:
+    """What `routing.mode` installs in every MoE layer (moe.set_expert_assignment)."""
+    return ASSIGNMENTS[cfg.routing.mode](cfg, dims, device)
 
 
 class Router(nn.Module):

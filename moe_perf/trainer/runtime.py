@@ -252,8 +252,8 @@ def init_distributed(device: torch.device, expected_world: int) -> None:
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if "RANK" not in os.environ or world == 1:
-        return
+    if "RANK" not in os.environ or world == 1 or dist.is_initialized():
+        return  # one rank; or a group the caller made (tests: tests/distributed_util.py)
     if device.type == "cuda":
         dist.init_process_group("nccl", device_id=device)
     else:

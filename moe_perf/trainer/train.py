@@ -19,7 +19,7 @@ import time
 import traceback
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +31,19 @@ from moe_perf.common import contract
 from moe_perf.common.config import Config, ConfigError, load_config
 from moe_perf.common.corpus import CorpusError
 from moe_perf.common.mesh import MeshDims, MeshError
-from moe_perf.trainer import cp, flops, loss, moe, pp, prebuild, precision, profiling, stacks
+from moe_perf.trainer import (
+    cp,
+    flops,
+    imbalance,
+    loss,
+    moe,
+    pp,
+    prebuild,
+    precision,
+    profiling,
+    routing,
+    stacks,
+)
 from moe_perf.trainer.data import local_microbatches, make_source
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.parallelize import (
@@ -86,11 +98,14 @@ class Trainer:
     autocast: AbstractContextManager
     loss_fn: Callable
     source: object  # data.SyntheticTokens or data.CorpusTokens
-    offsets: list[int]  # forced balance: global index of this rank's first token per micro-batch
+    offsets: list[int]  # forced routing: global index of this rank's first token per micro-batch
     device_name: str | None
     clip_in_optimizer: bool = False  # the fused optimizer applies the clip (clip_gradients)
     helper: subprocess.Popen | None = None  # compiling the Triton kernels ahead (prebuild.py)
     attention_warm_up: AttentionWarmUp | None = None  # trainer.warm_attention, joined
+    # the step's expert counts, one {layer: counts} per micro-batch (imbalance.py); under pp > 1
+    # the pipeline's stages keep them
+    token_counts: list = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -131,13 +146,10 @@ def build(cfg: Config, out, timeline: Timeline | None = None) -> Trainer:
         print(contract.format_env(environment(device, dims.world)), file=out, flush=True)
 
     model = build_model(
-        cfg.model,
-        seed=t.seed,
-        force_balance=t.benchmark,
-        balance_ep=dims.ep,
-        device="meta",
-        init_std=cfg.trainer.init_std,
+        cfg.model, seed=t.seed, force_balance=False, device="meta", init_std=cfg.trainer.init_std
     )
+    # routing.mode: forced balance, a skew plan, or the router's own top-k (None)
+    moe.set_expert_assignment(model, routing.expert_assignment(cfg, dims, device))
     for layer in moe.moe_layers(model):
         layer.experts.backend = cfg.trainer.expert_backend
         layer.forced_dispatch = cfg.trainer.forced_dispatch
@@ -256,11 +268,13 @@ def local_batch(tr: Trainer, step: int) -> list[tuple]:
     return microbatches
 
 
-def forward_backward(model, microbatches, *, offsets, autocast, loss_fn=cross_entropy):
+def forward_backward(model, microbatches, *, offsets, autocast, loss_fn=cross_entropy,
+                     token_counts: list | None = None):  # fmt: skip
     """Gradient accumulation over this rank's micro-batches; returns the mean CE (detached).
 
     Each micro-batch loss is scaled by 1/M (the MoE balance losses carry the same scale, see
     moe.set_aux_loss_grad_scale), so gradients are those of the step's mean loss.
+    `token_counts` gets each micro-batch's expert counts (references, no work).
     """
     total = None
     M = len(microbatches)
@@ -268,6 +282,8 @@ def forward_backward(model, microbatches, *, offsets, autocast, loss_fn=cross_en
         moe.set_token_offset(model, offset)
         with autocast:
             loss = loss_fn(model(inputs_BS, positions_BS), labels_BS)
+        if token_counts is not None:
+            token_counts.append(moe.tokens_processed(model))
         (loss / M).backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total / M
@@ -304,14 +320,16 @@ def train_step(tr: Trainer, microbatches) -> tuple[torch.Tensor | None, float]:
     Forward, backward, gradient reduction, clipping and the optimizer step are timed; the loss
     stays on the device (no host sync inside)."""
     max_norm, optimizer = tr.cfg.trainer.max_grad_norm, tr.optimizer
+    tr.token_counts = []
     sync(tr.device)
     t0 = time.perf_counter()
     if tr.pipe is not None:
         loss = pp.forward_backward(tr.pipe, microbatches, tr.autocast)
     else:
         loss = forward_backward(
-            tr.parts[0], microbatches, offsets=tr.offsets, autocast=tr.autocast, loss_fn=tr.loss_fn
-        )
+            tr.parts[0], microbatches, offsets=tr.offsets, autocast=tr.autocast,
+            loss_fn=tr.loss_fn, token_counts=tr.token_counts,
+        )  # fmt: skip
     if max_norm > 0:
         clip_gradients(tr, max_norm)
     bench_hook()
@@ -321,16 +339,32 @@ def train_step(tr: Trainer, microbatches) -> tuple[torch.Tensor | None, float]:
     return loss, time.perf_counter() - t0
 
 
+def step_counts(tr: Trainer) -> imbalance.StepCounts:
+    """The step's slots per expert and per rank, gathered over every rank (imbalance.py: one
+    all-reduce; call outside the timed region)."""
+    per_microbatch = tr.token_counts
+    if tr.pipe is not None:
+        per_microbatch = [c for stage in tr.pipe.stages for c in stage.token_counts]
+    m = tr.cfg.model
+    return imbalance.gather(
+        per_microbatch, num_layers=m.num_layers, num_experts=m.num_experts, ep=tr.dims.ep,
+        ep_rank=tr.par.ep_rank, dp_cp_rank=tr.par.dp_cp_rank, dp_cp=tr.dims.dp_cp,
+        device=tr.device,
+    )  # fmt: skip
+
+
 def step_metrics(tr: Trainer, loss: torch.Tensor | None, step_time: float) -> dict:
     """The contract line's values (collectives and host syncs: outside the timed region).
 
     Under PP the last stage's loss reaches every pp rank and the balance losses are summed over
-    all stages; the loss is then averaged over the data x context ranks."""
+    all stages; the loss is then averaged over the data x context ranks. The routing the step
+    had: each MoE layer's busiest expert and busiest rank over the mean (imbalance.py)."""
     t = tr.cfg.training
     if tr.pipe is not None:
         loss, aux_value = pp.step_metrics(tr.pipe, loss, nn.ModuleList(tr.parts), tr.device)
     else:
         aux_value = moe.aux_loss_total(tr.parts[0])
+    counts = step_counts(tr)
     tokens_per_s = t.global_batch * t.sequence_length / step_time
     tflops, mfu = flops.tflops_and_mfu(
         tr.cfg.model,
@@ -348,6 +382,8 @@ def step_metrics(tr: Trainer, loss: torch.Tensor | None, step_time: float) -> di
         tflops=tflops,
         mfu=mfu,
         aux_loss=aux_value,
+        expert_imbalance=counts.expert_imbalance,
+        rank_imbalance=counts.rank_imbalance,
     )
 
 
