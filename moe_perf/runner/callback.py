@@ -23,6 +23,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from moe_perf.runner.session import end_sweep
+
 ARM_FAILED = 3  # the command's exit code when the sweep ran and at least one arm failed
 
 
@@ -61,6 +63,7 @@ class CompareCallback(Callback):
         self.write = write
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        end_sweep(sweep_dir_of(config))  # the sweep's worktrees go, with what was built there
         sweep_dir = None
         if OmegaConf.select(config, "dry_run", default=False):
             print("[moe_perf] dry run: nothing was launched, so there is nothing to compare",
