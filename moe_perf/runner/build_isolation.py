@@ -93,7 +93,7 @@ def refusal(changed: list[str], python: str = sys.executable) -> str:
         f"the build changed the environment both arms share ({shown}): every later arm, of "
         f"either branch, would import what it installed. Restore the environment ({undo}), "
         f"then build in place (trainer.build=[python,setup.py,build_ext,--inplace]) or into "
-        f"the arm's own prefix (trainer.build=[python,-m,pip,install,--no-deps,--target,"
-        f"{{worktree}}/.build,.] with 'trainer.env={{PYTHONPATH:\"{{worktree}}/.build\"}}'); "
+        f"the arm's own prefix ('trainer.build=[python,-m,pip,install,--no-deps,--target,"
+        f'"{{worktree}}/.build",.]\' with \'+trainer.env.PYTHONPATH="{{worktree}}/.build"\'); '
         f"docs/build.md"
     )

@@ -85,6 +85,7 @@ class ReferenceTrainerSchema(TrainerConfig, BuildKeys):
 
     command: list[str] = field(default_factory=lambda: ["-m", "moe_perf.trainer"])
     code_path: Optional[str] = "moe_perf/trainer"  # noqa: UP045
+    env: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

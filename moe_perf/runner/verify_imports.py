@@ -94,10 +94,10 @@ def _inside(path: Path, directory: Path) -> bool:
     return path.resolve().is_relative_to(directory.resolve())
 
 
-def describe_found(found: dict, why: str, worktree: Path) -> dict:
+def describe_found(found: dict, worktree: Path) -> dict:
     """The record's entry of one resolved module: its file, what was hashed, and whether it is
     the arm's own (in its worktree) or the shared environment's."""
-    entry: dict = {"module": found["module"], "listed_by": why}
+    entry: dict = {"module": found["module"]}
     if "error" in found:
         return {**entry, "file": None, "sha256": None, "error": found["error"]}
     locations = [Path(p) for p in found.get("locations") or [] if Path(p).is_dir()]
@@ -118,17 +118,22 @@ def probe(cfg: Any, worktree: Path, env: dict[str, str],
     """The record's `imports`: each module to verify as the arm would load it. `env` is the
     arm's whole environment (PYTHONPATH with the worktree first)."""
     wanted = modules_to_verify(cfg)
-    if not wanted:
+    found = probe_modules([name for name, _ in wanted], worktree, env, python)
+    return [{**entry, "listed_by": why} for entry, (_, why) in zip(found, wanted, strict=True)]
+
+
+def probe_modules(names: list[str], worktree: Path, env: dict[str, str],
+                  python: str = sys.executable) -> list[dict]:  # fmt: skip
+    """`names` resolved by `python` with `env` in `worktree`, one entry each (describe_found)."""
+    if not names:
         return []
-    names = json.dumps([name for name, _ in wanted])
-    proc = subprocess.run([python, "-c", _PROBE, names], cwd=worktree, env=env,
+    proc = subprocess.run([python, "-c", _PROBE, json.dumps(names)], cwd=worktree, env=env,
                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     if proc.returncode != 0:
         why = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return [{"module": name, "listed_by": by, "file": None, "sha256": None,
-                 "error": f"could not resolve: {why}"} for name, by in wanted]  # fmt: skip
-    return [describe_found(found, why, worktree)
-            for found, (_, why) in zip(json.loads(proc.stdout), wanted, strict=True)]  # fmt: skip
+        return [{"module": name, "file": None, "sha256": None,
+                 "error": f"could not resolve: {why}"} for name in names]  # fmt: skip
+    return [describe_found(found, worktree) for found in json.loads(proc.stdout)]
 
 
 def warnings(imports: list[dict]) -> list[str]:
