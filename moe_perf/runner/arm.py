@@ -244,7 +244,8 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
     """Runs one arm (one Hydra job) and returns its record (also written to metrics.json).
 
     Raises SystemExit(2) with a printed message when a prerequisite fails (nothing launched,
-    no arm directory left), KeyboardInterrupt when interrupted (processes and worktree gone).
+    no arm directory left), KeyboardInterrupt when interrupted (processes and the sweep's
+    worktrees gone).
     With `dry_run=true` it returns the arm's launch plan instead (nothing launched or written).
     """
     job = job or standalone_job(cfg)
@@ -259,6 +260,7 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
         outputs.remove_empty_dirs(job.arm_dir, stop=job.sweep_dir.parent)
         say(f"cannot run: {err}", sys.stderr)
         say("nothing was launched" + (": the sweep is stopped" if job.multirun else ""), sys.stderr)
+        session.end()  # the worktrees of the sweep's earlier arms, if any
         raise SystemExit(2) from None
     if dry_run:
         label = f"{cfg.arm.name}{repeat_suffix(cfg.repeat, job.overrides)}"
@@ -268,7 +270,7 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
             outputs.remove_empty_dirs(job.arm_dir, stop=job.sweep_dir.parent)
     # A commit's worktree (and its build) serves every arm of the commit until the sweep ends:
     # at the end of a multirun (callback.py), after a single run's one arm, or when an arm is
-    # interrupted (the sweep stops there)
+    # interrupted or raises (the sweep stops there)
     ended = True
     with sigterm_as_interrupt():
         try:

@@ -63,7 +63,6 @@ class CompareCallback(Callback):
         self.write = write
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        end_sweep(sweep_dir_of(config))  # the sweep's worktrees go, with what was built there
         sweep_dir = None
         if OmegaConf.select(config, "dry_run", default=False):
             print("[moe_perf] dry run: nothing was launched, so there is nothing to compare",
@@ -71,6 +70,7 @@ class CompareCallback(Callback):
             return
         try:
             sweep_dir = sweep_dir_of(config)
+            end_sweep(sweep_dir)  # the sweep's worktrees go, with what was built in them
             # Imported here: the comparison pulls in matplotlib, which the jobs never need.
             from moe_perf.report.comparison import compare_sweep
             from moe_perf.report.render import verdict
