@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import site
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN, commit, git, make_repo, moe_perf, sweep_dir
+from conftest import SMALL_RUN, commit, git, make_repo, moe_perf, processes_mentioning, sweep_dir
 
 from moe_perf.launchers.failures import build_error
 from moe_perf.launchers.slurm import build_srun_argv
@@ -286,6 +288,33 @@ def test_a_per_arm_prefix_build_is_its_arms_own(tmp_path):
         assert entry["file"].startswith(record["build"]["worktree"] + "/.build/spinext")
         files.add(entry["sha256"])
     assert len(files) == 2 and step_time_pct(repo) > 50
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_build_stops_it_and_removes_the_worktrees(tmp_path):
+    repo = make_ext_repo(tmp_path / "repo")
+    marker = f"build-sleeps-{os.getpid()}"  # in the build's command line
+    sleeper = f'trainer.build=[python,-c,"import time; time.sleep(300)  # {marker}"]'
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_perf", *SMALL_RUN, sleeper, "-m", "arm=base,feat"],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
+    )  # fmt: skip
+    log = sweep_dir(repo) / "tiny" / f"{TAG}-base" / "build.log"
+    deadline = time.monotonic() + 90
+    while len(processes_mentioning(marker)) < 2:  # the runner's command line, and the build's
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    assert log.exists()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert processes_mentioning(marker) == []
+    base = records(repo)[f"{TAG}-base"]
+    assert base["failure"].startswith("interrupted") and base["build"]["status"] == "interrupted"
+    assert (log.parent / "console.log").read_text().startswith("not launched: interrupted")
+    assert f"{TAG}-feat" not in records(repo)  # the sweep stopped there
+    assert_worktrees_gone(repo)
 
 
 def test_dry_run_shows_each_arms_build_and_builds_nothing(tmp_path):

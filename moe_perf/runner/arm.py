@@ -86,6 +86,9 @@ def build_before_launch(cfg: DictConfig, job: Job, sweep: Sweep, label: str, wor
                          step)  # fmt: skip
     try:
         extra["build"] = build.ensure_built(arm)
+    except KeyboardInterrupt:
+        (job.arm_dir / "console.log").write_text("not launched: interrupted during the build\n")
+        raise
     except build_isolation.SnapshotError as err:
         extra["build"] = {"command": step.argv, "status": "failed", "failure": str(err)}
         return str(err)
