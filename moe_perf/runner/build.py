@@ -72,23 +72,27 @@ def check(cfg: Any) -> None:
     build's program exists, the modules to verify are module names."""
     here = Path.cwd()
     values = arm_values(cfg, here, here / "config.yaml", here)
-    env = {str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()}
-    fill_env(env, cfg, values)
+    fill_env(trainer_env_setting(cfg), cfg, values)
     for name in cfg.trainer.get("verify_imports") or []:
         if not all(part.isidentifier() for part in str(name).split(".")):
             raise PrerequisiteError(
                 f"trainer.verify_imports: {name!r} is not a module name (e.g. my_ext or my_pkg._C)"
             )
-    configured = configured_build(cfg)
-    if not configured:
-        return
-    filled = fill(configured, cfg, values, "trainer.build")
-    program, path = filled[0], build_path(os.environ.get("PATH", ""))
-    if "/" not in program and shutil.which(program, path=path) is None:
+    if configured_build(cfg):
+        check_program(fill(configured_build(cfg), cfg, values, "trainer.build")[0])
+
+
+def check_program(program: str) -> None:
+    if "/" not in program and shutil.which(program, path=build_path(os.environ["PATH"])) is None:
         raise PrerequisiteError(
             f"trainer.build: `{program}` is not on PATH; name the program by its path, or "
             f"{{python}} for the arms' interpreter"
         )
+
+
+def trainer_env_setting(cfg: Any) -> dict[str, str]:
+    """trainer.env as configured (placeholders unfilled)."""
+    return {str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()}
 
 
 def build_path(path: str) -> str:
@@ -175,7 +179,7 @@ def build_commit(arm: ArmBuild) -> dict:
     if arm.step.cache_dir is not None:
         tools = build_cache.toolchain({**arm.full_env(), "PATH": _path(arm)})
         cache = {"dir": str(arm.step.cache_dir), "key": build_cache.build_key(
-            arm.sha, arm.step.configured, arm.cfg.trainer.get("env") or {}, tools)}  # fmt: skip
+            arm.sha, arm.step.configured, trainer_env_setting(arm.cfg), tools)}  # fmt: skip
         restored = restore(arm, cache)
         if restored is not None:
             return restored
