@@ -4,13 +4,15 @@
 `{key.path}` in it is filled from the arm's composed config (`--pp={mesh.pp}`,
 `--global-batch={training.global_batch}`), plus a few values of the arm itself: `{config_path}`
 (the resolved config.yaml the runner wrote), `{arm_dir}`, `{worktree}`, `{world_size}` and
-`{dp}` (inferred from the mesh). `trainer.log_format` names how the trainer prints a step:
-contract, torchtitan, megatron, nemo, or a regex with named groups (report/logformats.py).
+`{dp}` (inferred from the mesh), `{python}` (the interpreter the arms run). `trainer.log_format`
+names how the trainer prints a step: contract, torchtitan, megatron, nemo, or a regex with named
+groups (report/logformats.py).
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ def arm_values(cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> di
         "worktree": str(worktree),
         "world_size": str(world),
         "dp": str(world // (int(cfg.mesh.pp) * int(cfg.mesh.cp))),
+        "python": sys.executable,
     }
 
 
@@ -41,27 +44,34 @@ def _text(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 
-def fill(command: list, cfg: Any, arm: dict[str, str]) -> list[str]:
-    """The command with every placeholder filled; an unknown or non-scalar one is an error."""
+def fill(command: list, cfg: Any, arm: dict[str, str], key: str = "trainer.command") -> list[str]:
+    """The command (the value of `key`) with every placeholder filled; an unknown or
+    non-scalar one is an error that names `key`."""
 
     def value(match: re.Match) -> str:
-        key = match.group(1)
-        if key in arm:
-            return arm[key]
-        found = OmegaConf.select(cfg, key, default=KeyError, throw_on_missing=False)
+        name = match.group(1)
+        if name in arm:
+            return arm[name]
+        found = OmegaConf.select(cfg, name, default=KeyError, throw_on_missing=False)
         if found is KeyError:
             raise PrerequisiteError(
-                f"trainer.command: unknown placeholder {{{key}}}: no key {key} in the composed "
+                f"{key}: unknown placeholder {{{name}}}: no key {name} in the composed "
                 f"config (nor one of {', '.join('{' + k + '}' for k in arm)})"
             )
         if found is None or not isinstance(found, _SCALARS):
             raise PrerequisiteError(
-                f"trainer.command: placeholder {{{key}}} is {found!r}, not one value; "
+                f"{key}: placeholder {{{name}}} is {found!r}, not one value; "
                 f"name a scalar key (e.g. {{mesh.pp}})"
             )
         return _text(found)
 
     return [_PLACEHOLDER_RE.sub(value, str(part)) for part in command]
+
+
+def fill_env(env: dict[str, str], cfg: Any, arm: dict[str, str]) -> dict[str, str]:
+    """The trainer's environment with the placeholders of its values filled, as the command's
+    (`PYTHONPATH: "{worktree}/.build"`: a per-arm build prefix, docs/build.md)."""
+    return {name: fill([value], cfg, arm, f"trainer.env.{name}")[0] for name, value in env.items()}
 
 
 class CommandTrainer:

@@ -31,4 +31,5 @@ class ContractTrainer:
 
     def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
         argv = [str(part) for part in cfg.trainer.command] + [str(config_path)]
-        return TrainerLaunch(argv=argv, log_format="contract")
+        env = {str(k): str(v) for k, v in (cfg.trainer.get("env") or {}).items()}
+        return TrainerLaunch(argv=argv, env=env, log_format="contract")

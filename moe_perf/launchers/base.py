@@ -29,6 +29,10 @@ class Launcher(Protocol):
     def argv(self, cfg: Any, arm_dir: Path, trainer_argv: Sequence[str]) -> list[str]:
         """The whole command line of one arm: the launch wrapped around the trainer's argv."""
 
+    def build_argv(self, cfg: Any, label: str, build_argv: Sequence[str]) -> list[str]:
+        """The command line of the arm's build step (trainer.build): run where what it builds
+        is what the arm's processes import."""
+
     def env(self, cfg: Any) -> dict[str, str]:
         """What the launch adds to the trainer's environment (beyond torchrun's own)."""
 

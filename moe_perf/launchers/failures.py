@@ -122,3 +122,33 @@ def describe(exit_code: int | None, failure: LaunchFailure) -> str:
     if failure.rank is not None:
         text += f" (rank {failure.rank})"
     return text + (f": {failure.reason}" if failure.reason else "")
+
+
+# ---- a build step's log ----------------------------------------------------------------------
+
+# gcc and clang `file.cpp:12:5: error: ...` (and `fatal error:`), nvcc `kernel.cu(12): error: ...`
+_COMPILER_ERROR_RE = re.compile(r"^\S.*?(?::\d+(?::\d+)?:|\(\d+\):) (?:fatal )?error\b")
+# the linker: `undefined reference to ...`, `ld: cannot find -lfoo`, `collect2: error: ...`
+_LINKER_ERROR_RE = re.compile(r"undefined reference to|\bld(?:\.\w+)?: |collect2: error")
+# what a build tool says last: setuptools' `error: command 'gcc' failed ...`, make's
+# `make: *** [Makefile:3: all] Error 1`, ninja's `FAILED: kernel.o`, pip's `ERROR: ...`
+_TOOL_ERROR_RE = re.compile(r"^(?:error: |ERROR: |FAILED: )|\*\*\* .*Error \d+")
+# pip's summary codes (`error: subprocess-exited-with-error`): the cause is on another line
+_PIP_CODE_RE = re.compile(r"^error: [a-z]+(?:-[a-z]+)+$")
+
+
+def build_error(log: str) -> str | None:
+    """The line of a build's output that says why it failed: the first compiler error (the
+    ones after it often follow from it), else the first linker error, else the last
+    exception, else what the build tool said last."""
+    lines = [line.rstrip() for line in log.splitlines()]
+    for pattern in (_COMPILER_ERROR_RE, _LINKER_ERROR_RE):
+        found = [line for line in lines if pattern.search(line)]
+        if found:
+            return _short(found[0])
+    exceptions = [line for line in lines if _EXCEPTION_RE.match(line.strip())]
+    if exceptions:
+        return _short(exceptions[-1])
+    said = [line.strip() for line in lines if not _PIP_CODE_RE.match(line.strip())]
+    tools = [line for line in said if _TOOL_ERROR_RE.search(line)]
+    return _short(tools[-1]) if tools else None

@@ -36,6 +36,9 @@ class LocalLauncher:
             return [sys.executable, *trainer_argv]  # as torchrun runs it: python <script|-m mod>
         return torchrun_argv(cfg, arm_dir, free_port()) + list(trainer_argv)
 
+    def build_argv(self, cfg: Any, label: str, build_argv: Sequence[str]) -> list[str]:
+        return list(build_argv)  # this machine is where the arm runs
+
     def env(self, cfg: Any) -> dict[str, str]:
         return one_process_env(free_port()) if self.one_process(cfg) else {}
 

@@ -45,9 +45,11 @@ class LaunchResult:
 def trainer_env(worktree: Path, arm_dir: Path, token: str, extra: dict[str, str] | None = None,
                 repo: Path | None = None) -> dict[str, str]:  # fmt: skip
     env = dict(os.environ)
-    env.update(extra or {})
-    # the worktree first, so an arm whose repository holds the trainer runs its own code
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(worktree), env.get("PYTHONPATH")) if p)
+    env.update({k: v for k, v in (extra or {}).items() if k != "PYTHONPATH"})
+    # the worktree first, so an arm whose repository holds the trainer runs its own code; then
+    # what the trainer's env adds (a per-arm build prefix), then the runner's own
+    paths = (str(worktree), (extra or {}).get("PYTHONPATH"), os.environ.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["MOE_PERF_ARM_DIR"] = str(arm_dir)
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the console as the step ends, not at exit
     # torchrun's --tee prefix with the global rank, where its default has the local one: on
@@ -329,6 +331,53 @@ def run_trainer(
     trainer_code = launch.exit_code if launch.exit_code is not None else exit_code
     return LaunchResult(trainer_code, failure, parsed.steps, reader.env, round(wall_s, 3),
                         parsed.log_format, parsed.derivations, exit_code, timed_out)  # fmt: skip
+
+
+# ---- a command before the launch (a build step) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    exit_code: int | None  # None: stopped at its timeout
+    wall_s: float
+    timed_out: bool = False
+
+
+def run_logged(argv: list[str], *, cwd: Path, arm_dir: Path, log_path: Path, label: str,
+               timeout_s: float, kill_grace_s: float, env: dict[str, str] | None = None,
+               repo: Path | None = None, echo: TextIO | None = None,
+               heartbeat_s: float = 30.0) -> CommandResult:  # fmt: skip
+    """Runs `argv` to its end with the arm's environment (`trainer_env`: the same PYTHONPATH,
+    and the launch markers, so a dead runner's leftover is found as a launch's would be), all
+    its output in `log_path`; says every `heartbeat_s` that it is still running. Stopped, with
+    every process it started, at `timeout_s` or at Ctrl-C (KeyboardInterrupt re-raised once
+    they are gone)."""
+    echo = echo or sys.stdout
+    token = uuid.uuid4().hex
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write("# " + " ".join(argv) + "\n")
+        log.flush()
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=cwd, env=trainer_env(cwd, arm_dir, token, env, repo),
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        waiter = threading.Thread(target=proc.wait, name=f"wait-{label}", daemon=True)
+        waiter.start()  # joined, not waited on: see run_trainer
+        try:
+            while waiter.is_alive() and time.perf_counter() - start < timeout_s:
+                waiter.join(min(heartbeat_s, max(0.0, timeout_s - (time.perf_counter() - start))))
+                if waiter.is_alive():
+                    print(f"[moe_perf] {label}: still running, {time.perf_counter() - start:.0f} s "
+                          f"(log: {log_path})", file=echo, flush=True)  # fmt: skip
+        except BaseException:
+            stop_launch(proc, token, kill_grace_s)
+            raise
+        timed_out = waiter.is_alive()
+        if stop_launch(proc, token, kill_grace_s):  # at its timeout, or what it left running
+            raise KeyboardInterrupt("Ctrl-C while a command was stopped")
+        waiter.join()
+    wall_s = round(time.perf_counter() - start, 3)
+    return CommandResult(None if timed_out else proc.returncode, wall_s, timed_out)
 
 
 def _tail(path: Path, size: int) -> str:

@@ -198,6 +198,30 @@ def srun_argv(
     return srun + torchrun
 
 
+def build_srun_argv(build_argv: Sequence[str], *, nnodes: int, every_node: bool,
+                    arm_label: str, launcher: Mapping[str, Any],
+                    env: Mapping[str, str] | None = None) -> list[str]:  # fmt: skip
+    """The srun command line of an arm's build step: one task on one node of the allocation
+    (a compute node, with the toolchain and GPUs the arm runs on; the worktree is on the
+    filesystem the nodes share), or one per node of the mesh when the build writes to each
+    node's own disk (`launcher.build_on_every_node`)."""
+    env = os.environ if env is None else env
+    nodes = nnodes if every_node else 1
+    srun = [
+        str(launcher.get("srun", "srun")),
+        f"--nodes={nodes}",
+        f"--ntasks={nodes}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        f"--job-name={step_name(arm_label)}:build",
+    ]
+    if launcher.get("cpus_per_task"):
+        srun.append(f"--cpus-per-task={int(launcher['cpus_per_task'])}")
+    if env.get("SLURM_STEP_ID") is not None:
+        srun.append("--overlap")  # inside a step that holds the CPUs (see srun_argv)
+    return srun + [str(a) for a in launcher.get("extra_args") or ()] + list(build_argv)
+
+
 def failure_reason(returncode: int, console_tail: str) -> str | None:
     """A readable reason for a failed step, from srun's exit status and its last output."""
     if returncode == 0:
@@ -229,6 +253,15 @@ class SlurmLauncher:
         local = torchrun_argv(cfg, arm_dir, free_port()) + list(trainer_argv)
         return srun_argv(
             local, nnodes=int(cfg.mesh.nnodes), arm_label=arm_dir.name, launcher=cfg.launcher
+        )
+
+    def build_argv(self, cfg: Any, label: str, build_argv: Sequence[str]) -> list[str]:
+        return build_srun_argv(
+            build_argv,
+            nnodes=int(cfg.mesh.nnodes),
+            every_node=bool(cfg.launcher.get("build_on_every_node", False)),
+            arm_label=label,
+            launcher=cfg.launcher,
         )
 
     def one_process(self, cfg: Any) -> bool:

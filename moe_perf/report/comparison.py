@@ -20,6 +20,7 @@ from pathlib import Path
 
 from moe_perf.common.contract import METRICS as STEP_METRICS
 from moe_perf.report import explain, imbalance, logformats
+from moe_perf.report.imports import import_warnings
 from moe_perf.report.record import ARMS, load_record, measured_steps, summarize
 from moe_perf.report.record import SCHEMA as ARM_SCHEMA
 from moe_perf.report.record import config_differences as _differences
@@ -299,6 +300,7 @@ def compare_group(model: str, tag: str, records: list[dict], plan: Plan | None =
         "runs": runs,
         "config_differences": config_differences([r for r in records if r.get("config")]),
         "environment_differences": environment_differences(records),
+        "import_warnings": import_warnings(records),
         "difference": {},
     }
     base, feat = group["arms"].get("base"), group["arms"].get("feat")

@@ -281,6 +281,12 @@ def load_record(path: Path) -> tuple[dict | None, str | None]:
     return _read_as_current(record), None
 
 
+def failed_in_build(record: dict) -> bool:
+    """The arm never launched: its commit's build (trainer.build) failed, or was refused for
+    changing the shared environment. A bisect skips such a commit, as `git bisect skip` does."""
+    return (record.get("build") or {}).get("status") in ("failed", "refused")
+
+
 def arm_record(
     *,
     config: dict,

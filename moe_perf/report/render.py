@@ -98,6 +98,8 @@ def _group_lines(group: dict) -> list[str]:
     if group["aa"]:
         sha = group["arms"]["base"]["shas"][0][:12]
         lines += [f"A/A run: base and feat are the same commit {sha}; any difference is noise.", ""]
+    warnings = group.get("import_warnings") or []  # both arms ran one file of the module
+    lines += [f"**Warning**: {w}." for w in warnings] + ([""] if warnings else [])
     if group["status"] == "refused":
         lines.append("Comparison refused: the arms' resolved configs differ (besides arm/repeat):")
         for diff in group["config_differences"]:

@@ -197,6 +197,6 @@ def main() -> None:
     try:
         hydra_main()
     except KeyboardInterrupt:
-        say("interrupted: the running arm was stopped and its worktree removed; the sweep "
-            "stopped there", sys.stderr)  # fmt: skip
+        say("interrupted: the running arm was stopped and the sweep's worktrees removed; the "
+            "sweep stopped there", sys.stderr)  # fmt: skip
         sys.exit(130)

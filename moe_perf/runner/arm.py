@@ -23,12 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks import compile_cache
-from moe_perf.launchers.process import LaunchResult, run_trainer, shown
+from moe_perf.frameworks.command import arm_values, fill_env
+from moe_perf.launchers.process import LaunchResult, run_trainer, shown, trainer_env
 from moe_perf.report import explain
 from moe_perf.report import record as records
 from moe_perf.report.logformats import RunShape
 from moe_perf.report.sweep import Sweep
-from moe_perf.runner import dryrun, git, outputs, preflight
+from moe_perf.runner import build, build_isolation, dryrun, outputs, preflight, verify_imports
 from moe_perf.runner.job import Job, repeat_suffix, say, standalone_job
 from moe_perf.runner.progress import RankThreads, arm_count, starting_line
 from moe_perf.runner.session import SweepSession
@@ -72,45 +73,84 @@ def removed_after(path: Path | None):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, label: str, extra: dict) -> LaunchResult:
-    """Runs the arm's trainer in its worktree; notes in `extra` which compile cache it used."""
+def build_before_launch(cfg: DictConfig, job: Job, sweep: Sweep, label: str, worktree: Path,
+                        env: dict[str, str], extra: dict) -> str | None:  # fmt: skip
+    """trainer.build for this arm's commit, once per commit (runner/build.py); notes the
+    outcome in `extra` and returns why the arm cannot launch, if it cannot."""
+    if not build.configured_build(cfg):
+        return None
+    launcher = launchers.get(cfg)
+    step = build.build_step(cfg, job.arm_dir, worktree, label, launcher)
+    extra["build"] = {"command": step.argv, "status": "interrupted"}  # until it has ended
+    arm = build.ArmBuild(cfg, job, sweep, label, sweep.shas[str(cfg.arm.name)], worktree, env,
+                         step)  # fmt: skip
+    try:
+        extra["build"] = build.ensure_built(arm)
+    except KeyboardInterrupt:
+        (job.arm_dir / "console.log").write_text("not launched: interrupted during the build\n")
+        raise
+    except build_isolation.SnapshotError as err:
+        extra["build"] = {"command": step.argv, "status": "failed", "failure": str(err)}
+        return str(err)
+    return build.failure_of(extra["build"])
+
+
+def note_imports(cfg: DictConfig, job: Job, sweep: Sweep, label: str, worktree: Path,
+                 env: dict[str, str], extra: dict) -> None:  # fmt: skip
+    """The record's `imports`: what the arm will load (runner/verify_imports.py), and a
+    warning for each listed module that is the shared environment's copy."""
+    full = trainer_env(worktree, job.arm_dir, "imports", env, Path(sweep.repo))
+    extra["imports"] = verify_imports.probe(cfg, worktree, full)
+    for warning in verify_imports.warnings(extra["imports"]):
+        say(f"{label}: warning: {warning}", sys.stderr)
+
+
+def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, label: str,
+               extra: dict) -> LaunchResult:  # fmt: skip
+    """Builds (once per commit) and runs the arm's trainer in its commit's worktree; notes in
+    `extra` the build, what the arm imports and which compile cache it used."""
     arm = str(cfg.arm.name)
     config_path = job.arm_dir / "config.yaml"
     launcher = launchers.get(cfg)
     threads = RankThreads.for_launch(int(cfg.mesh.nproc_per_node))
-    with git.worktree(sweep.repo, sweep.shas[arm], label) as worktree:
-        trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
-        # every trainer's processes get torch.compile's caches and the bytecode directory
-        # (compile_cache.py) under the adapter's environment, the user's trainer.env winning
-        env = compile_cache.under(cfg, worktree, trainer.env)
-        # as the trainer gets it: that environment's, else the runner's, else None (torch's
-        # default under /tmp)
-        inductor_dir = env.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get(
-            "TORCHINDUCTOR_CACHE_DIR"
+    worktree = session.worktree_for(sweep.shas[arm])
+    trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
+    values = arm_values(cfg, job.arm_dir, config_path, worktree)
+    # every trainer's processes get torch.compile's caches and the bytecode directory
+    # (compile_cache.py) under the adapter's environment, the user's trainer.env winning
+    env = compile_cache.under(cfg, worktree, fill_env(trainer.env, cfg, values))
+    not_built = build_before_launch(cfg, job, sweep, label, worktree, env, extra)
+    if not_built:
+        (job.arm_dir / "console.log").write_text(f"not launched: {not_built}\n")
+        return LaunchResult(exit_code=None, failure=not_built)
+    note_imports(cfg, job, sweep, label, worktree, env, extra)
+    # as the trainer gets it: that environment's, else the runner's, else None (torch's
+    # default under /tmp)
+    inductor_dir = env.get("TORCHINDUCTOR_CACHE_DIR") or os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    extra["compile_cache"] = {"dir": str(Path(inductor_dir).parent) if inductor_dir else None,
+                              "inductor_dir": inductor_dir}  # fmt: skip
+    one_process = launcher.one_process(cfg)
+    compiled = bool(cfg.trainer.get("compile", False))
+    say(starting_line(label, threads, compiled, torchrun=not one_process))
+    # the worktree's own bytecode, when the compile cache holds it (git.add_worktree: the
+    # worktree's temporary directory holds it)
+    bytecode = compile_cache.bytecode_dir_of(env, worktree.parent)
+    with removed_after(bytecode), compile_cache.bytecode_compiled(env):
+        return run_trainer(
+            launcher.argv(cfg, job.arm_dir, trainer.argv),
+            cwd=worktree,
+            arm_dir=job.arm_dir,
+            label=label,
+            timeout_s=float(cfg.timeout_s),
+            kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
+            max_steps=int(cfg.training.max_steps),
+            env={**threads.env, **launcher.env(cfg), **env},
+            failure_reason=launcher.failure_reason,
+            one_process=one_process,
+            log_format=trainer.log_format,
+            shape=RunShape.of_config(cfg),
+            repo=Path(sweep.repo),
         )
-        extra["compile_cache"] = {"dir": str(Path(inductor_dir).parent) if inductor_dir else None,
-                                  "inductor_dir": inductor_dir}  # fmt: skip
-        one_process = launcher.one_process(cfg)
-        compiled = bool(cfg.trainer.get("compile", False))
-        say(starting_line(label, threads, compiled, torchrun=not one_process))
-        # the arm's temporary directory (git.worktree) holds its worktree
-        bytecode = compile_cache.bytecode_dir_of(env, worktree.parent)
-        with removed_after(bytecode), compile_cache.bytecode_compiled(env):
-            return run_trainer(
-                launcher.argv(cfg, job.arm_dir, trainer.argv),
-                cwd=worktree,
-                arm_dir=job.arm_dir,
-                label=label,
-                timeout_s=float(cfg.timeout_s),
-                kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
-                max_steps=int(cfg.training.max_steps),
-                env={**threads.env, **launcher.env(cfg), **env},
-                failure_reason=launcher.failure_reason,
-                one_process=one_process,
-                log_format=trainer.log_format,
-                shape=RunShape.of_config(cfg),
-                repo=Path(sweep.repo),
-            )
 
 
 def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, started: str,
@@ -179,7 +219,7 @@ def log_to_wandb(record: dict, arm_dir: Path, cfg: DictConfig) -> None:
     log_arm(record, arm_dir, OmegaConf.to_container(cfg.wandb, resolve=True))
 
 
-def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep) -> dict:
+def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession) -> dict:
     label = f"{cfg.arm.name}{repeat_suffix(cfg.repeat, job.overrides)}"
     config = arm_config(cfg, sweep)
     moved = outputs.move_aside(job.arm_dir, job.sweep_dir)
@@ -198,7 +238,7 @@ def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep) -> dict:
         say(f"{arm_count(job.num, job.total)}: {label}: {sweep.refs[arm]} @ "
             f"{sweep.shas[arm][:10]}, {cfg.model.name} {cfg.tag} -> {job.arm_dir}")  # fmt: skip
         try:
-            result = launch_arm(cfg, job, sweep, label, extra)
+            result = launch_arm(cfg, job, sweep, session, label, extra)
         except KeyboardInterrupt:
             stopped = LaunchResult(exit_code=None, failure="interrupted (Ctrl-C/SIGTERM)")
             report(finish_arm(job, sweep, config, stopped, started, t0, extra), label)
@@ -214,7 +254,8 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
     """Runs one arm (one Hydra job) and returns its record (also written to metrics.json).
 
     Raises SystemExit(2) with a printed message when a prerequisite fails (nothing launched,
-    no arm directory left), KeyboardInterrupt when interrupted (processes and worktree gone).
+    no arm directory left), KeyboardInterrupt when interrupted (processes and the sweep's
+    worktrees gone).
     With `dry_run=true` it returns the arm's launch plan instead (nothing launched or written).
     """
     job = job or standalone_job(cfg)
@@ -229,6 +270,7 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
         outputs.remove_empty_dirs(job.arm_dir, stop=job.sweep_dir.parent)
         say(f"cannot run: {err}", sys.stderr)
         say("nothing was launched" + (": the sweep is stopped" if job.multirun else ""), sys.stderr)
+        session.end()  # the worktrees of the sweep's earlier arms, if any
         raise SystemExit(2) from None
     if dry_run:
         label = f"{cfg.arm.name}{repeat_suffix(cfg.repeat, job.overrides)}"
@@ -236,5 +278,15 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
             return dryrun.preview_arm(cfg, job, sweep, label)
         finally:
             outputs.remove_empty_dirs(job.arm_dir, stop=job.sweep_dir.parent)
+    # A commit's worktree (and its build) serves every arm of the commit until the sweep ends:
+    # at the end of a multirun (callback.py), after a single run's one arm, or when an arm is
+    # interrupted or raises (the sweep stops there)
+    ended = True
     with sigterm_as_interrupt():
-        return run_checked_arm(cfg, job, sweep)
+        try:
+            record = run_checked_arm(cfg, job, sweep, session)
+            ended = not job.multirun
+            return record
+        finally:
+            if ended:
+                session.end()

@@ -23,6 +23,8 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from moe_perf.runner.session import end_sweep
+
 ARM_FAILED = 3  # the command's exit code when the sweep ran and at least one arm failed
 
 
@@ -68,6 +70,7 @@ class CompareCallback(Callback):
             return
         try:
             sweep_dir = sweep_dir_of(config)
+            end_sweep(sweep_dir)  # the sweep's worktrees go, with what was built in them
             # Imported here: the comparison pulls in matplotlib, which the jobs never need.
             from moe_perf.report.comparison import compare_sweep
             from moe_perf.report.render import verdict

@@ -17,12 +17,13 @@ from typing import Any
 
 from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
+from moe_perf.frameworks.command import arm_values, fill_env
 from moe_perf.launchers.process import LAUNCH_TOKEN_ENV, trainer_env
 from moe_perf.report.sweep import Sweep
-from moe_perf.runner import git
+from moe_perf.runner import build, build_cache, git
 from moe_perf.runner.job import Job, say
 
-WORKTREE = "<worktree>"  # the arm's worktree: a fresh temp directory each launch
+WORKTREE = "<worktree>"  # the commit's worktree: a temp directory made for the sweep
 
 
 def check_host(cfg: Any, dry_run: bool) -> None:
@@ -46,6 +47,11 @@ def added_env(launch_env: dict[str, str], worktree: Path, arm_dir: Path) -> dict
     return {k: v.replace(str(worktree), WORKTREE) for k, v in sorted(added.items())}
 
 
+def build_cache_words(cfg: Any) -> str:
+    root = build_cache.cache_root(cfg.trainer.get("build_cache", "off"))
+    return f"build cache {root}" if root else "no build cache"
+
+
 def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
     """The arm's command line, working directory and added environment; also printed."""
     arm = str(cfg.arm.name)
@@ -54,8 +60,14 @@ def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
         trainer = frameworks.get(cfg).launch(cfg, job.arm_dir, config_path, worktree)
         launcher = launchers.get(cfg)
         argv = launcher.argv(cfg, job.arm_dir, trainer.argv)
-        env = added_env({**launcher.env(cfg), **trainer.env}, worktree, job.arm_dir)
+        values = arm_values(cfg, job.arm_dir, config_path, worktree)
+        arm_env = fill_env(trainer.env, cfg, values)
+        env = added_env({**launcher.env(cfg), **arm_env}, worktree, job.arm_dir)
         argv = [part.replace(str(worktree), WORKTREE) for part in argv]
+        build_argv = None
+        if build.configured_build(cfg):
+            step = build.build_step(cfg, job.arm_dir, worktree, label, launcher)
+            build_argv = [part.replace(str(worktree), WORKTREE) for part in step.argv]
     env[LAUNCH_TOKEN_ENV] = "<launch id>"
     plan = {
         "arm": label,
@@ -63,10 +75,15 @@ def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
         "cwd": f"{WORKTREE} (a detached worktree of {sweep.repo} at {sweep.shas[arm][:10]})",
         "env": env,
         "log_format": trainer.log_format,
+        "build": build_argv,
     }
     say(f"{label}: dry run, nothing launched ({cfg.model.name} {cfg.tag})")
     say(f"{label}: cwd {plan['cwd']}")
     say(f"{label}: env " + " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()))
+    if build_argv is not None:
+        say(f"{label}: build (in {WORKTREE}, before the first arm of {sweep.shas[arm][:10]}, "
+            f"then reused; log {job.arm_dir / build.BUILD_LOG}; "
+            f"{build_cache_words(cfg)}): {shlex.join(build_argv)}")  # fmt: skip
     say(f"{label}: command {shlex.join(argv)}")
     say(f"{label}: the trainer's lines are read as {trainer.log_format}")
     return plan

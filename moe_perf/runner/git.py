@@ -1,4 +1,4 @@
-"""Git for the runner: refs to SHAs, the clean-tree check, one worktree per arm, the sweep lock.
+"""Git for the runner: refs to SHAs, the clean-tree check, worktrees, the sweep lock.
 
 Plain `git` subprocesses with argument lists: each call is explicit, nothing is cached, and no
 long-lived library object holds file handles across a sweep (a known GitPython leak).
@@ -86,24 +86,32 @@ def is_ignored(repo: str | Path, path: str | Path) -> bool:
     return proc.returncode == 0
 
 
-# An arm's worktree is `<tmp>/moe_perf-<label>-<random>/worktree`: how a stale one is known.
+# A worktree of the runner is `<tmp>/moe_perf-<label>-<random>/worktree`: how a stale one is known.
 WORKTREE_PREFIX = "moe_perf-"
 
 
-@contextlib.contextmanager
-def worktree(repo: str | Path, sha: str, label: str) -> Iterator[Path]:
-    """A detached worktree of `repo` at `sha` in a temp directory outside the repository.
-
-    Removed on the way out, also when the body raises (timeout, Ctrl-C).
-    """
+def add_worktree(repo: str | Path, sha: str, label: str) -> Path:
+    """A detached worktree of `repo` at `sha` in a new temp directory outside the repository;
+    the caller removes it (`discard_worktree`)."""
     parent = Path(tempfile.mkdtemp(prefix=f"{WORKTREE_PREFIX}{label}-"))
     path = parent / "worktree"
     try:
         git(repo, "worktree", "add", "--detach", "--quiet", str(path), sha)
+    except BaseException:
+        shutil.rmtree(parent, ignore_errors=True)
+        raise
+    return path
+
+
+@contextlib.contextmanager
+def worktree(repo: str | Path, sha: str, label: str) -> Iterator[Path]:
+    """`add_worktree` for the body only: removed on the way out, also when the body raises
+    (timeout, Ctrl-C)."""
+    path = add_worktree(repo, sha, label)
+    try:
         yield path
     finally:
-        remove_worktree(repo, path)
-        shutil.rmtree(parent, ignore_errors=True)
+        discard_worktree(repo, path)
 
 
 def remove_worktree(repo: str | Path, path: Path) -> None:
@@ -114,6 +122,12 @@ def remove_worktree(repo: str | Path, path: Path) -> None:
         git(repo, "worktree", "prune")
 
 
+def discard_worktree(repo: str | Path, path: Path) -> None:
+    """A worktree of `add_worktree` gone, with its temp directory."""
+    remove_worktree(repo, path)
+    shutil.rmtree(path.parent, ignore_errors=True)
+
+
 def worktree_paths(repo: str | Path) -> list[Path]:
     """Every worktree git knows of, the main one first."""
     out = git(repo, "worktree", "list", "--porcelain")
@@ -122,7 +136,7 @@ def worktree_paths(repo: str | Path) -> list[Path]:
 
 
 def moe_perf_worktrees(repo: str | Path) -> list[Path]:
-    """The arm worktrees of `repo` that git knows of (after pruning those whose directory is
+    """The runner's worktrees of `repo` that git knows of (after pruning those whose directory is
     gone). With the sweep lock held, every one of them is a leftover of a dead runner."""
     with contextlib.suppress(GitError):
         git(repo, "worktree", "prune")
@@ -130,11 +144,6 @@ def moe_perf_worktrees(repo: str | Path) -> list[Path]:
         path for path in worktree_paths(repo)[1:]
         if path.name == "worktree" and path.parent.name.startswith(WORKTREE_PREFIX)
     ]  # fmt: skip
-
-
-def remove_stale_worktree(repo: str | Path, path: Path) -> None:
-    remove_worktree(repo, path)
-    shutil.rmtree(path.parent, ignore_errors=True)
 
 
 class SweepLock:

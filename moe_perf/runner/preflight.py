@@ -29,8 +29,8 @@ from moe_perf.common.errors import PrerequisiteError
 from moe_perf.common.mesh import MeshError
 from moe_perf.common.routing import RoutingError
 from moe_perf.report.record import ARMS
+from moe_perf.runner import build, schema
 from moe_perf.runner import git as gitops
-from moe_perf.runner import schema
 from moe_perf.runner.schema import mesh_dims
 
 __all__ = ["PrerequisiteError", "check_config", "check_job", "check_sweep", "corpus_root",
@@ -243,6 +243,7 @@ def check_job(cfg: Any, repo: Path, *, submitting: bool = False) -> None:
     check_config(cfg)
     check_launcher(cfg, submitting)
     check_trainer(cfg, repo)
+    build.check(cfg)
     check_memory(cfg, submitting)
     check_data(cfg, repo)
 

@@ -83,15 +83,28 @@ class CompareConfig:
 
 
 @dataclass
-class ReferenceTrainerSchema(TrainerConfig):
+class BuildKeys:
+    """Every trainer option's build step: a command run in the arm's worktree before its
+    launch, once per commit (moe_perf/runner/build.py, docs/build.md)."""
+
+    build: list[str] = field(default_factory=list)  # empty: nothing to build
+    build_cache: str = "off"  # off | auto | a directory: reuse builds across sweeps
+    build_timeout_s: float = knob(3600.0, above=0)
+    # modules whose file and hash each arm's record names (the trainer's own package always)
+    verify_imports: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ReferenceTrainerSchema(TrainerConfig, BuildKeys):
     """The reference trainer's knobs plus how the runner launches it."""
 
     command: list[str] = field(default_factory=lambda: ["-m", "moe_perf.trainer"])
     code_path: Optional[str] = "moe_perf/trainer"  # noqa: UP045
+    env: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
-class CommandTrainerSchema:
+class CommandTrainerSchema(BuildKeys):
     name: str = "command"
     command: list[str] = MISSING
     log_format: str = "contract"
@@ -100,7 +113,7 @@ class CommandTrainerSchema:
 
 
 @dataclass
-class TorchtitanTrainerSchema:
+class TorchtitanTrainerSchema(BuildKeys):
     name: str = "torchtitan"
     code_path: Optional[str] = "torchtitan"  # noqa: UP045
     model_name: Optional[str] = None  # noqa: UP045
@@ -117,7 +130,7 @@ class TorchtitanTrainerSchema:
 
 
 @dataclass
-class MegatronTrainerSchema:
+class MegatronTrainerSchema(BuildKeys):
     name: str = "megatron"
     code_path: Optional[str] = "megatron"  # noqa: UP045
     script: str = "pretrain_gpt.py"
@@ -145,6 +158,7 @@ class SlurmLauncherSchema:
     rdzv_port: Optional[int] = knob(None, min=1, max=65535)  # noqa: UP045
     extra_args: list[str] = field(default_factory=list)
     srun: str = "srun"  # the srun executable (tests point it at a wrapper)
+    build_on_every_node: bool = False  # trainer.build once per node, not once (docs/build.md)
 
 
 OPTION_SCHEMAS = {

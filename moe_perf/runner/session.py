@@ -11,6 +11,8 @@ locks and the active sweep instead of module globals.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.launchers import orphans
 from moe_perf.report import sweep as sweeps
-from moe_perf.report.record import now_iso
+from moe_perf.report.record import now_iso, write_record
 from moe_perf.runner import git, outputs, preflight
 from moe_perf.runner.job import Job, say
 
@@ -66,10 +68,47 @@ def clean_up_dead_sweeps(repo: Path, grace_s: float) -> None:
             f"still running and holding the devices: pid(s) {shown}")  # fmt: skip
     stale = git.moe_perf_worktrees(repo)
     for path in stale:
-        git.remove_stale_worktree(repo, path)
+        git.discard_worktree(repo, path)
     if stale:
         say(f"removed {len(stale)} worktree(s) left by an earlier moe_perf sweep whose runner "
             f"died: {', '.join(map(str, stale))}")  # fmt: skip
+
+
+WORKTREES = "worktrees.json"  # in the sweep's state directory: {"repo", "worktrees": {sha: path}}
+
+
+def _worktrees_path(sweep_dir: Path) -> Path:
+    return Path(sweep_dir) / sweeps.STATE_DIR / WORKTREES
+
+
+def read_worktrees(sweep_dir: Path) -> dict[str, Path]:
+    """{sha: worktree} of the sweep in `sweep_dir` (empty when it made none)."""
+    try:
+        state = json.loads(_worktrees_path(sweep_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {sha: Path(path) for sha, path in (state.get("worktrees") or {}).items()}
+
+
+def _write_worktrees(sweep_dir: Path, repo: str, worktrees: dict[str, Path]) -> None:
+    path = _worktrees_path(sweep_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"repo": repo, "worktrees": {sha: str(p) for sha, p in worktrees.items()}}
+    write_record(path, state)
+
+
+def end_sweep(sweep_dir: Path) -> None:
+    """Removes the worktrees of the sweep in `sweep_dir` (their builds with them). Never
+    raises: called on the way out of a sweep, whatever ended it."""
+    try:
+        state = json.loads(_worktrees_path(sweep_dir).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    for path in map(Path, (state.get("worktrees") or {}).values()):
+        if path.name == "worktree" and path.parent.name.startswith(git.WORKTREE_PREFIX):
+            git.discard_worktree(state["repo"], path)
+    with contextlib.suppress(OSError):
+        _worktrees_path(sweep_dir).unlink()
 
 
 def announce(sweep: sweeps.Sweep, code_path: str | None) -> None:
@@ -116,6 +155,25 @@ class SweepSession:
                 return state
         self.active = self.start(cfg, job, check_all_jobs)
         return self.active
+
+    def worktree_for(self, sha: str) -> Path:
+        """The worktree of commit `sha` for the rest of the active sweep: the one an earlier
+        arm made (in this process or another), or a new one when there is none or it is gone
+        (a sweep started meanwhile removed it, or it is on another node's disk)."""
+        sweep = self.active
+        assert sweep is not None, "worktree_for before the sweep started"
+        worktrees = read_worktrees(Path(sweep.sweep_dir))
+        known = worktrees.get(sha)
+        if known is not None and (known / ".git").exists():
+            return known
+        worktrees[sha] = git.add_worktree(sweep.repo, sha, sha[:10])
+        _write_worktrees(Path(sweep.sweep_dir), sweep.repo, worktrees)
+        return worktrees[sha]
+
+    def end(self) -> None:
+        """The active sweep's worktrees removed (end_sweep); nothing when there is none."""
+        if self.active is not None:
+            end_sweep(Path(self.active.sweep_dir))
 
     def start(self, cfg: Any, job: Job, check_all_jobs=None) -> sweeps.Sweep:
         """Lock, leftovers of dead sweeps, outputs, tree, refs, every job: all checked before
