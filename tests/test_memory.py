@@ -61,7 +61,7 @@ def test_the_estimate_matches_the_measured_peak_on_cpu(tmp_path, case, dtype):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     steps = [s for s in map(contract.parse_step, proc.stdout.splitlines()) if s]
-    measured = max(s["peak_mem_gib"] for s in steps)  # the process's max RSS on CPU
+    measured = max(s["peak_mem_gib"] for s in steps)  # the process's own peak RSS (VmHWM) on CPU
     estimated = memory.estimate(config_from_dict(raw), "cpu")
     assert measured > 0.9, "a case too small to test the estimate"
     assert abs(estimated.gib() / measured - 1) <= TOLERANCE, (estimated.breakdown(), measured)

@@ -666,7 +666,7 @@ def _memory_lines(section: dict, group: dict) -> list[str]:
         lines.append("")
         lines.append("Allocated and reserved are not reported by this trainer on this device; "
                      "`peak as reported` is the trainer's own figure (the reference trainer: "
-                     "max reserved on GPU, max RSS on CPU).")  # fmt: skip
+                     "max reserved on GPU, its own peak RSS on CPU).")  # fmt: skip
     return lines + [""]
 
 
