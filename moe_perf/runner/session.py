@@ -2,7 +2,8 @@
 
 Starting a sweep takes the repository's lock, stops what a dead sweep left running and removes
 its worktrees, checks the sweep directory, the tree and every job's prerequisites, resolves
-both refs to SHAs, and only then writes: the earlier sweep moved aside, this sweep's state.
+both refs to SHAs, and only then writes: the earlier sweep moved aside, this sweep's state (a
+dry run writes and moves nothing).
 Under the basic launcher `SweepStart` (a Hydra callback) does it before Hydra writes
 multirun.yaml; otherwise the first job does. Later jobs join the sweep (in this process, or in
 a process of their own under a launcher that forks). One `SweepSession` per command holds the
@@ -11,6 +12,7 @@ locks and the active sweep instead of module globals.
 
 from __future__ import annotations
 
+import atexit
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +110,7 @@ class SweepSession:
         """
         if self.active is not None and Path(self.active.sweep_dir) == job.sweep_dir:
             return self.active
-        if job.num > 0:
+        if job.num > 0 and not is_dry_run(cfg):  # a dry run saved no state: an earlier one's
             state = sweeps.load(job.sweep_dir)
             if state is not None:  # a later job in a process of its own
                 self._lock(Path(state.repo), state.sweep_id)
@@ -133,14 +135,23 @@ class SweepSession:
         except BaseException:
             self.locks.pop(str(repo)).release()
             raise
-        outputs.ignore_outputs(repo, job.sweep_dir)
-        for earlier, where in outputs.move_earlier_sweeps(job.sweep_dir).items():
-            say(f"kept earlier sweep {earlier} in {where} (its comparison: python -m "
-                f"moe_perf.compare {job.sweep_dir} --sweep {earlier})")  # fmt: skip
         sweep = sweeps.Sweep(sweep_id, str(job.sweep_dir), str(repo), refs, shas, now_iso())
-        sweeps.save(sweep)
+        if not is_dry_run(cfg):  # a dry run writes nothing and moves nothing
+            keep_earlier_sweeps(repo, job.sweep_dir)
+            sweeps.save(sweep)
         announce(sweep, cfg.trainer.get("code_path"))
         return sweep
+
+
+def is_dry_run(cfg: Any) -> bool:
+    return bool(OmegaConf.select(cfg, "dry_run", default=False))
+
+
+def keep_earlier_sweeps(repo: Path, sweep_dir: Path) -> None:
+    outputs.ignore_outputs(repo, sweep_dir)
+    for earlier, where in outputs.move_earlier_sweeps(sweep_dir).items():
+        say(f"kept earlier sweep {earlier} in {where} (its comparison: python -m "
+            f"moe_perf.compare {sweep_dir} --sweep {earlier})")  # fmt: skip
 
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -155,6 +166,8 @@ class SweepStart(Callback):
     sweep and takes the lock; here the lock is only tried.
     """
 
+    dry_run_guard: outputs.DryRunGuard | None = None
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from moe_perf.runner import app  # the command's session; app imports this module
 
@@ -162,6 +175,9 @@ class SweepStart(Callback):
         cwd = Path(str(hc.runtime.cwd))
         sweep_dir = Path(str(hc.sweep.dir))
         sweep_dir = sweep_dir if sweep_dir.is_absolute() else cwd / sweep_dir
+        if is_dry_run(config):  # Hydra's multirun.yaml put back however the command ends
+            self.dry_run_guard = outputs.DryRunGuard(sweep_dir)
+            atexit.register(self.dry_run_guard.restore)
         job = Job(arm_dir=sweep_dir, sweep_dir=sweep_dir, cwd=cwd, multirun=True,
                   config_name=str(kwargs.get("config_name") or "config"),
                   overrides=list(hc.overrides.task))  # fmt: skip
@@ -177,3 +193,8 @@ class SweepStart(Callback):
             say(f"cannot run: {err}", sys.stderr)
             say("nothing was launched: the sweep is stopped", sys.stderr)
             raise SystemExit(2) from None
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.dry_run_guard is not None:
+            atexit.unregister(self.dry_run_guard.restore)
+            self.dry_run_guard.restore()
