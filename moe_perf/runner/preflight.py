@@ -26,6 +26,7 @@ from moe_perf.common.config import config_from_dict, model_problems
 from moe_perf.common.corpus import CorpusError, check_corpus
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.common.mesh import MeshError
+from moe_perf.frameworks.reference import runs_reference_trainer
 from moe_perf.report.record import ARMS
 from moe_perf.runner import git as gitops
 from moe_perf.runner import schema
@@ -167,11 +168,22 @@ def fitting_overrides(trainer_cfg, device: str, capacity_gib: float) -> list[str
 CLEARLY_OVER = 1.1
 
 
+def memory_check_note(cfg: Any) -> str | None:
+    """Why the memory check does not apply to this sweep's trainer, or None when it does."""
+    if runs_reference_trainer(cfg):
+        return None
+    command = ",".join(str(part) for part in cfg.trainer.get("command") or [])
+    which = (f"trainer.command=[{command}]" if str(cfg.trainer.name) == "reference"
+             else f"trainer={cfg.trainer.name}")  # fmt: skip
+    return (f"memory is not checked before launch: moe_perf estimates only its reference "
+            f"trainer's memory, and {which} runs another trainer")  # fmt: skip
+
+
 def check_memory(cfg: Any, submitting: bool = False) -> None:
     """The reference trainer's estimated peak per rank against the device's memory: refused
     when it is more than CLEARLY_OVER times the device, naming single changes that bring it
-    under the device."""
-    if str(cfg.trainer.name) != "reference":
+    under the device. Another trainer's memory is not estimated (`memory_check_note`)."""
+    if not runs_reference_trainer(cfg):
         return
     if submitting and cfg.mesh.device_memory_gib is None:
         return  # the job checks the host it runs on

@@ -74,7 +74,7 @@ def clean_up_dead_sweeps(repo: Path, grace_s: float) -> None:
             f"died: {', '.join(map(str, stale))}")  # fmt: skip
 
 
-def announce(sweep: sweeps.Sweep, code_path: str | None) -> None:
+def announce(sweep: sweeps.Sweep, cfg: Any) -> None:
     short = {arm: sha[:10] for arm, sha in sweep.shas.items()}
     say(f"sweep {sweep.sweep_id} in {sweep.repo}")
     refs = sweep.refs
@@ -82,8 +82,10 @@ def announce(sweep: sweeps.Sweep, code_path: str | None) -> None:
     if sweep.aa_run:
         say(f"A/A run: base and feat are the same commit {short['base']}; "
             f"any difference is run-to-run noise")  # fmt: skip
-    note = trainer_code_note(Path(sweep.repo), code_path, sweep.shas) if code_path else None
-    if note:
+    code_path = cfg.trainer.get("code_path")
+    notes = [trainer_code_note(Path(sweep.repo), code_path, sweep.shas) if code_path else None,
+             preflight.memory_check_note(cfg)]  # fmt: skip
+    for note in filter(None, notes):
         say(note)
 
 
@@ -139,7 +141,7 @@ class SweepSession:
         if not is_dry_run(cfg):  # a dry run writes nothing and moves nothing
             keep_earlier_sweeps(repo, job.sweep_dir)
             sweeps.save(sweep)
-        announce(sweep, cfg.trainer.get("code_path"))
+        announce(sweep, cfg)
         return sweep
 
 
