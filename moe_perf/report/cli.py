@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from moe_perf.report.comparison import compare_records, compare_sweep, load_arm, load_sweep
-from moe_perf.report.logformats import FORMATS, RunShape, line_parser
+from moe_perf.report.logformats import FORMATS, REGEX_TIMING, RunShape, UnknownFormat, line_parser
 from moe_perf.report.record import strict_json
 from moe_perf.report.render import render, write_outputs
 from moe_perf.report.sweep import find_sweep
@@ -165,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("give a sweep directory, or two files: BASE FEAT", file=sys.stderr)
             return 2
+    except UnknownFormat as exc:
+        print(f"moe_perf.compare: {exc}; if it prints its steps another way, give the format "
+              f"with --format '<regex with named groups>': (?P<step>...) and one of "
+              f"{', '.join(f'(?P<{g}>...)' for g in REGEX_TIMING)}, e.g. --format "
+              f"'iter (?P<step>[0-9]+) took (?P<step_time_ms>[0-9.]+) ms' (or --format "
+              f"{'|'.join(FORMATS)} to read it as one of those)", file=sys.stderr)  # fmt: skip
+        return 2
     except (OSError, ValueError) as exc:
         print(f"moe_perf.compare: {exc}", file=sys.stderr)
         return 2
