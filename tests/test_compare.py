@@ -17,6 +17,7 @@ import pytest
 from moe_perf.common.contract import format_step
 from moe_perf.report import cli
 from moe_perf.report import comparison as compare
+from moe_perf.runner import outputs
 
 TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
 CONFIG = {
@@ -328,3 +329,20 @@ def test_cli_a_sweep_of_both_arms_is_no_side(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "holds the arms base and feat of one sweep: give it alone" in err
     assert "Traceback" not in err
+
+
+def test_an_earlier_sweep_moved_aside_names_its_files_where_they_are_now(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    write_arm(sweep, "base", flat([0.4] * 7), sweep_id="old")
+    feat = write_arm(sweep, "feat", [], sweep_id="old", status="failed", exit_code=1,
+                     failure="trainer exited 1: OOM")  # fmt: skip
+    state = sweep / ".moe_perf" / "sweep.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"sweep_id": "old"}))
+    assert outputs.move_earlier_sweeps(sweep) == {"old": sweep / "previous" / "old"}
+    assert cli.main([str(sweep), "--sweep", "old", "--no-write", "--json"]) == 0
+    (group,) = json.loads(capsys.readouterr().out)["groups"]
+    moved = sweep / "previous" / "old" / "tiny" / feat.name
+    failed = next(run for run in group["runs"] if run["arm"] == "feat")
+    assert failed["log"] == str(moved / "console.log")
+    assert all(Path(run["log"]).is_file() for run in group["runs"])

@@ -222,7 +222,20 @@ def load_record(path: Path) -> tuple[dict | None, str | None]:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         return None, f"skipped {path}: not a {SCHEMA} record: {'; '.join(problems[:3])}{more}"
     record["_path"] = str(path)
-    return record, None
+    return relocated(record, Path(path).parent), None
+
+
+def relocated(record: dict, arm_dir: Path) -> dict:
+    """The record's own paths (`arm_dir`, `log`) where it is read from now: an earlier sweep
+    moved to previous/<id>/ keeps the paths it was written with."""
+    written, now = record.get("arm_dir"), arm_dir.resolve()
+    if not written or Path(written) == now:
+        return record
+    record["arm_dir"] = str(now)
+    log = record.get("log")
+    if log and Path(log).parent == Path(written):
+        record["log"] = str(now / Path(log).name)
+    return record
 
 
 def arm_record(
