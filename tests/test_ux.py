@@ -58,6 +58,9 @@ def test_help_says_what_moe_perf_does_with_examples_groups_outputs_and_exit_code
     assert "multirun.yaml" in text and "wandb/" in text and ".moe_perf/sweep.json" in text
     assert documented_exit_codes(text) == EXIT_CODES
     assert "3    the sweep ran and at least one arm failed" in text
+    assert "moe_perf_schema" not in text  # the typed schema's groups are internal
+    assert "<sweep dir>/previous/<sweep id>/" in text and "<model>/previous" not in text
+    assert "explain=true" in text and "explain.png" in text
 
 
 def test_compare_help_has_examples_outputs_and_exit_codes(tmp_path):
@@ -72,9 +75,34 @@ def test_readme_documents_the_same_exit_codes_and_outputs():
     readme = (ROOT / "README.md").read_text()
     assert documented_exit_codes(readme) == EXIT_CODES
     outputs = readme.split("## Outputs", 1)[1].split("\n## ", 1)[0]
-    for name in ("comparison.png", "multirun.yaml", "wandb/", ".moe_perf/sweep.json",
+    for name in ("comparison.png", "explain.png", "multirun.yaml", "wandb/", ".moe_perf/sweep.json",
                  ".moe_perf/identity/", "metrics.json", "console.log"):  # fmt: skip
         assert name in outputs, name
+
+
+def test_readme_names_every_option_explain_and_the_tests_a_cpu_machine_skips():
+    readme = (ROOT / "README.md").read_text()
+    for group in ("model", "mesh", "dtype", "arm", "trainer", "launcher"):
+        (row,) = [line for line in readme.splitlines() if line.startswith(f"| `{group}` |")]
+        for option in (p.stem for p in (ROOT / "conf" / group).glob("*.yaml")):
+            assert f"`{option}`" in row, (group, option)
+    assert "`explain=true`" in readme
+    tests = readme.split("## Setup", 1)[1].split("\n## ", 1)[0]
+    for skipped in ("Megatron-LM", "CUDA", "MOE_PERF_TORCHTITAN_03"):
+        assert skipped in tests, skipped
+
+
+# a path of this repository named in a doc: moe_perf/common/contract.py, not .moe_perf/...
+_NAMED_PATH = re.compile(
+    r"(?<![\w./])((?:moe_perf|bench|tests|conf|docs)/[\w./-]+\.(?:py|md|yaml))"
+)
+
+
+def test_every_source_path_the_docs_name_exists():
+    docs = [ROOT / "README.md", ROOT / "conf" / "hydra" / "help" / "moe_perf.yaml",
+            *(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")]  # fmt: skip
+    named = [(doc.name, path) for doc in docs for path in _NAMED_PATH.findall(doc.read_text())]
+    assert [f"{doc}: {path}" for doc, path in named if not (ROOT / path).exists()] == []
 
 
 def test_list_shows_every_preset_in_one_line(tmp_path):
