@@ -27,6 +27,10 @@ from moe_perf.runner.progress import StepProgress
 # torchrun --tee prefixes every worker line with its rank: "[rank0]:" (trainer_env asks for the
 # global rank) or, by default, the local one: "[default0]:".
 _RANK_PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
+# Lines that tell a person watching nothing (console.log keeps them): kineto's marker of every
+# profiler start and stop, `USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52]
+# profiler_start`, printed at a log level above its errors' (KINETO_LOG_LEVEL would hide both).
+_CONSOLE_NOISE_RE = re.compile(r"^USDT:.*\] profiler_(?:start|stop)\s*$")
 
 
 @dataclass
@@ -121,7 +125,9 @@ class _Pump:
         match = _RANK_PREFIX_RE.match(line)
         if match and match.group(1) != "0":
             return  # other ranks: console.log and torchrun/ only
-        self._print(f"[{self.label}] {line[match.end() :] if match else line}")
+        text = line[match.end() :] if match else line
+        if not _CONSOLE_NOISE_RE.match(text):
+            self._print(f"[{self.label}] {text}")
 
     def _print(self, text: str) -> None:
         self.echo.write(text + "\n")
