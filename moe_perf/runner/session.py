@@ -29,17 +29,43 @@ from moe_perf.runner import git, outputs, preflight
 from moe_perf.runner.job import Job, say
 
 
-def trainer_code_note(repo: Path, code_path: str, shas: dict) -> str | None:
+def command_entry(command: list) -> str | None:
+    """The repository path a trainer command starts from: `-m pkg.mod` imports `pkg` from the
+    arm's worktree first (PYTHONPATH), a script runs from it (its cwd); None for neither."""
+    parts = [str(part) for part in command or []]
+    if len(parts) >= 2 and parts[0] == "-m":
+        return parts[1].split(".")[0]
+    return parts[0] if parts and not parts[0].startswith("-") else None
+
+
+def entry_in_commit(repo: Path, sha: str, entry: str) -> bool:
+    """Whether the command's entry is in the commit: the script, or the package or module."""
+    paths = [entry] if entry.endswith(".py") or "/" in entry else [entry, f"{entry}.py"]
+    return any(git.path_in_commit(repo, sha, path) for path in paths)
+
+
+def trainer_code_note(repo: Path, code_path: str, shas: dict, command: list) -> str | None:
+    """What to say when `trainer.code_path` is not at both commits: where it is missing, and
+    which trainer code each arm then runs (judged by the command's own entry, since a mistyped
+    code_path says nothing about it)."""
     present = {arm: git.path_in_commit(repo, sha, code_path) for arm, sha in shas.items()}
     if all(present.values()):
         return None
-    if not any(present.values()):
-        return (
-            f"trainer.code_path={code_path} is not in {repo}: both arms run the same (installed) "
-            f"trainer code; only what the repository itself changes can differ"
-        )
-    missing = ", ".join(arm for arm, there in present.items() if not there)
-    return f"trainer.code_path={code_path} is missing at {missing}: it runs the installed trainer"
+    missing = [arm for arm, there in present.items() if not there]
+    where = "at neither commit" if len(missing) == len(shas) else f"missing at {', '.join(missing)}"
+    commits = ", ".join(f"{arm} {sha[:10]}" for arm, sha in shas.items())
+    head = f"trainer.code_path={code_path} is {where} ({commits}) of {repo}"
+    entry = command_entry(command)
+    own = [arm for arm, sha in shas.items() if entry and entry_in_commit(repo, sha, entry)]
+    if len(own) == len(shas):
+        return (f"{head}: check the path; `{entry}` is in the repository, so each arm runs its "
+                f"own commit's copy")  # fmt: skip
+    if not own:
+        return (f"{head}: both arms run the same (installed) trainer code; only what the "
+                f"repository itself changes can differ")  # fmt: skip
+    lack = ", ".join(arm for arm in shas if arm not in own)
+    return (f"{head}: {', '.join(own)} runs `{entry}` from its own commit; at {lack} it is not "
+            f"in the repository (an installed copy, if any)")  # fmt: skip
 
 
 def clean_up_dead_sweeps(repo: Path, grace_s: float) -> None:
@@ -82,9 +108,11 @@ def announce(sweep: sweeps.Sweep, cfg: Any) -> None:
     if sweep.aa_run:
         say(f"A/A run: base and feat are the same commit {short['base']}; "
             f"any difference is run-to-run noise")  # fmt: skip
+    notes = [preflight.memory_check_note(cfg)]
     code_path = cfg.trainer.get("code_path")
-    notes = [trainer_code_note(Path(sweep.repo), code_path, sweep.shas) if code_path else None,
-             preflight.memory_check_note(cfg)]  # fmt: skip
+    if code_path:
+        command = list(cfg.trainer.get("command") or [])
+        notes.insert(0, trainer_code_note(Path(sweep.repo), code_path, sweep.shas, command))
     for note in filter(None, notes):
         say(note)
 
