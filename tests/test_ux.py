@@ -7,6 +7,7 @@ trainer of conftest.py); the picture tests draw real PNGs from arm records.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
@@ -16,10 +17,11 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_RUN, moe_perf, sweep_dir
 
+from moe_perf.launchers.process import run_trainer
 from moe_perf.report.comparison import compare_records
 from moe_perf.report.record import summarize
 from moe_perf.report.render import verdict, write_outputs
-from moe_perf.runner.progress import RankThreads, StepProgress, clock_time
+from moe_perf.runner.progress import RankThreads, StepProgress, UnmatchedLines, clock_time
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_CODES = {0, 1, 2, 3, 130}
@@ -277,3 +279,43 @@ def test_rank_threads_split_the_cores_unless_the_environment_says(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     given = RankThreads.for_launch(8)
     assert given.env == {} and "OMP_NUM_THREADS=3 each (from your environment)" in given.describe()
+
+
+# ---- a log format that reads nothing ---------------------------------------------------------
+
+OWN_LINES = [f"iter {k} took {400 + k}.5 ms" for k in range(1, 6)]
+NO_MATCH = r"step (?P<step>\d+) (?P<step_time_ms>[0-9.]+)ms"
+
+
+def test_lines_like_steps_that_the_format_misses_are_said_at_the_third():
+    watch = UnmatchedLines(NO_MATCH)
+    startup = ["loading 3 shards", "model has 12,345 parameters", "[rank1]:iter 1 took 1 ms"]
+    assert [watch.feed(line, step_line=False) for line in startup + OWN_LINES[:2]] == [None] * 5
+    warning = watch.feed(OWN_LINES[2], step_line=False)
+    assert f"trainer.log_format={NO_MATCH!r} has read no step" in warning
+    assert f"e.g. {OWN_LINES[2]!r}" in warning and "no metrics" in warning
+    assert watch.feed(OWN_LINES[3], step_line=False) is None  # said once
+    read = UnmatchedLines(NO_MATCH)
+    read.feed("step 1 400.0ms", step_line=True)
+    assert [read.feed(line, step_line=False) for line in OWN_LINES] == [None] * 5
+
+
+def test_lines_of_a_known_format_are_named():
+    watch = UnmatchedLines("contract")
+    titan = [f"[titan] 2026-07-17 12:05:0{k},000 - root - INFO - step: {k}  loss: 6.1  "
+             f"memory: 4.26GiB(2.39%)  tps: 72,915" for k in (1, 2, 3)]  # fmt: skip
+    warning = [watch.feed(line, step_line=False) for line in titan][-1]
+    assert "that line reads as torchtitan's: trainer.log_format=torchtitan?" in warning
+
+
+def test_the_warning_comes_while_the_arm_runs(tmp_path):
+    trainer = "import time\n" + "".join(f"print({line!r}, flush=True)\n" for line in OWN_LINES)
+    trainer += "time.sleep(0.2)\nprint('the last line', flush=True)\n"
+    console = io.StringIO()
+    result = run_trainer([sys.executable, "-c", trainer], cwd=tmp_path, arm_dir=tmp_path,
+                         label="base", timeout_s=60, kill_grace_s=5, max_steps=5,
+                         one_process=True, echo=console, log_format=NO_MATCH)  # fmt: skip
+    assert result.failure.startswith("no metrics")  # as before, at the end
+    out = console.getvalue()
+    assert "base: warning: trainer.log_format=" in out
+    assert out.index("warning: trainer.log_format") < out.index("[base] the last line")

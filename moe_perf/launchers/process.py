@@ -22,7 +22,7 @@ from typing import TextIO
 from moe_perf.launchers.failures import LaunchFailure, describe, read_failure
 from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
 from moe_perf.report.logformats import LogReader, ParsedLog, RunShape, TeeLines
-from moe_perf.runner.progress import StepProgress
+from moe_perf.runner.progress import StepProgress, UnmatchedLines
 
 # torchrun --tee prefixes every worker line with its rank: "[rank0]:" (trainer_env asks for the
 # global rank) or, by default, the local one: "[default0]:".
@@ -85,6 +85,7 @@ class _Pump:
         self.log, self.label, self.echo = log, label, echo
         self.reader, self.max_steps = reader, max_steps
         self.progress = StepProgress(label, max_steps)  # elapsed and ETA per step line
+        self.unmatched = UnmatchedLines(reader.log_format)  # a format that reads no step
         self.quiet = False  # stopping: torchrun's words about the signal go to console.log only
         self._lock = threading.Lock()  # one line at a time into console.log and the reader
         self.threads = [
@@ -117,6 +118,9 @@ class _Pump:
         sample = self.reader.feed(line)
         if self.quiet:
             return
+        warning = self.unmatched.feed(line, self.reader.step_line)
+        if warning:
+            self._print(f"[moe_perf] {self.label}: warning: {warning}")
         if sample is not None:
             self._print(self.progress.line(sample))
             return
