@@ -8,6 +8,7 @@ trainer of conftest.py); the picture tests draw real PNGs from arm records.
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 import subprocess
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_RUN, moe_perf, sweep_dir
 
+from moe_perf.common.contract import format_step
 from moe_perf.launchers.process import run_trainer
 from moe_perf.report.comparison import compare_records
+from moe_perf.report.logformats import LogReader
 from moe_perf.report.record import summarize
 from moe_perf.report.render import verdict, write_outputs
 from moe_perf.runner.progress import RankThreads, StepProgress, UnmatchedLines, clock_time
@@ -267,6 +270,14 @@ def test_step_progress_eta_comes_from_the_measured_steps():
     assert "? tokens/s  peak ? GiB" in line
     assert line.endswith("elapsed 0:47  ETA 0:30")  # 6 steps left x the median gap of 5 s
     assert clock_time(3723) == "1:02:03"
+
+
+def test_a_negative_loss_is_shown_and_a_nan_loss_is_unknown():
+    reader = LogReader("contract")
+    line = format_step(2, 8, step_time_s=0.5, tokens_per_s=10.0, peak_mem_gib=0.1, loss=-0.25)
+    assert "loss -0.25  elapsed" in StepProgress("feat", 8).line(reader.feed(line))
+    nan = format_step(3, 8, step_time_s=0.5, tokens_per_s=10.0, peak_mem_gib=0.1, loss=math.nan)
+    assert reader.feed(nan)["loss"] is None
 
 
 def test_rank_threads_split_the_cores_unless_the_environment_says(monkeypatch):

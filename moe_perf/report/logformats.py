@@ -380,10 +380,20 @@ def _known(value: float | None) -> float | None:
     return value
 
 
+def _finite(value: float | None) -> float | None:
+    """A loss may be negative (a user's objective, a log-likelihood); only nan and inf are
+    unknown."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 def _positive(value: float | None) -> float | None:
     """0 TFLOP/s, 0 MFU, a 0 s step: not computed, so unknown."""
     value = _known(value)
     return value if value else None
+
+
+# what a figure may be, where it is not `_known` (finite and non-negative)
+_VALUE_RULES = {"tflops": _positive, "mfu": _positive, "loss": _finite}
 
 
 def _values(raw: dict) -> dict:
@@ -396,7 +406,8 @@ def _combine(raws: list[dict]) -> dict:
     the largest memory, the first loss that is a loss (non-last pipeline stages print none)."""
 
     def pick(key, choose):
-        values = [v for v in (_known(r.get(key)) for r in raws) if v is not None]
+        rule = _finite if key == "loss" else _known
+        values = [v for v in (rule(r.get(key)) for r in raws) if v is not None]
         return choose(values) if values else None
 
     first = raws[0]
@@ -563,8 +574,7 @@ class LogReader:
             return None
         for key in METRIC_KEYS:
             if key in sample:
-                unknown_if_zero = key in ("tflops", "mfu")
-                sample[key] = (_positive if unknown_if_zero else _known)(sample[key])
+                sample[key] = _VALUE_RULES.get(key, _known)(sample[key])
         self._raws[sample["step"]] = [sample]
         return sample
 

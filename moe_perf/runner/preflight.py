@@ -254,8 +254,9 @@ def check_clean_tree(repo: Path) -> None:
     if dirty:
         shown = ", ".join(dirty[:5]) + (f", ... ({len(dirty)} in all)" if len(dirty) > 5 else "")
         raise PrerequisiteError(
-            f"the tree at {repo} is not clean ({shown}): commit or stash your changes first; "
-            f"untracked files count, ignored files don't. Both arms run committed code only."
+            f"the tree at {repo} is not clean ({shown}): commit your changes or `git stash -u` "
+            f"first (untracked files count, ignored files don't; a plain `git stash` leaves "
+            f"them). Both arms run committed code only."
         )
 
 
