@@ -9,7 +9,7 @@ Each config is composed from conf/ as `python -m moe_perf` composes an arm (mesh
 forced balance), then: the estimate (moe_perf/common/memory.py) and whether the pre-flight
 (runner/preflight.check_memory, against this host's device) refuses it; then the real trainer
 runs it in a process of its own under `torchrun --nproc-per-node 1`, which reports its peak:
-torch.cuda.max_memory_allocated and max_memory_reserved on a GPU, the process's max RSS on a
+torch.cuda.max_memory_allocated and max_memory_reserved on a GPU, its own peak RSS (VmHWM) on a
 CPU. A refused config still runs, to show the refusal was right (it should run out of memory).
 Prints a table and writes OUT/bench_memory.json (one record per config).
 """
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from moe_perf.common import memory  # noqa: E402
 from moe_perf.common.config import config_from_dict  # noqa: E402
 from moe_perf.common.errors import PrerequisiteError  # noqa: E402
+from moe_perf.common.peak_rss import peak_rss_bytes  # noqa: E402
 
 GIB = 2**30
 # (name, model, layers, global batch, micro-batch, more overrides): the H200 data points of
@@ -167,8 +167,8 @@ def child(config_path: str, peak_path: str) -> int:
             "allocated_gib": torch.cuda.max_memory_allocated() / GIB,
             "reserved_gib": torch.cuda.max_memory_reserved() / GIB,
         }
-    else:  # ru_maxrss is KiB
-        peaks = {"rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB}
+    else:  # this process's own peak, not ru_maxrss (it holds the launcher's)
+        peaks = {"rss_gib": peak_rss_bytes() / GIB}
     Path(peak_path).write_text(json.dumps({"outcome": outcome, "error": error, **peaks}) + "\n")
     return 0 if outcome == "ok" else 1
 

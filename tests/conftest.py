@@ -37,7 +37,6 @@ SMALL_TRAINER = textwrap.dedent(
     """A small trainer for tests: real work per step (numpy), contract lines from rank 0."""
     import importlib.metadata
     import os
-    import resource
     import sys
     import time
 
@@ -45,6 +44,7 @@ SMALL_TRAINER = textwrap.dedent(
     import yaml
 
     from moe_perf.common.contract import format_env, format_step
+    from moe_perf.common.peak_rss import peak_rss_gib
 
     EXTRA_SLEEP_S = 0.0
     EXIT_AFTER_STEP = None  # tests of a failing arm set a step number
@@ -69,7 +69,7 @@ SMALL_TRAINER = textwrap.dedent(
             x = numpy.tanh(x @ x)
         time.sleep(EXTRA_SLEEP_S)
         seconds = time.perf_counter() - start
-        peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        peak_gib = peak_rss_gib()  # its own, not the runner's (ru_maxrss would be)
         if rank == 0:
             print(format_step(step, steps, step_time_s=seconds, tokens_per_s=tokens / seconds,
                               peak_mem_gib=peak_gib, loss=float(x.mean())), flush=True)

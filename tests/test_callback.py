@@ -12,6 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from moe_perf.runner import callback
 from moe_perf.runner.callback import CompareCallback
 
 APP = textwrap.dedent(
@@ -134,3 +135,10 @@ def test_callback_constructs_without_arguments(tmp_path, capsys):
     config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
     CompareCallback().on_multirun_end(config)
     assert "No arm records (metrics.json) found." in capsys.readouterr().out
+
+
+def test_the_files_written_include_the_explain_picture(tmp_path):
+    for name in ("comparison.md", "comparison.json", "comparison.png", "explain.png"):
+        (tmp_path / name).write_text("")
+    (top,) = callback.written_files({"groups": []}, tmp_path)
+    assert top.split()[1:] == ["comparison.json", "comparison.md", "comparison.png", "explain.png"]

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from moe_perf.common.contract import format_step
+from moe_perf.report import cli
 from moe_perf.report import comparison as compare
+from moe_perf.runner import outputs
 
 TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
 CONFIG = {
@@ -306,3 +308,53 @@ def test_runner_state_names_the_current_sweep(tmp_path):
     report, _ = compare.compare_sweep(tmp_path, write=False)
     (group,) = report["groups"]
     assert list(group["arms"]) == ["feat"] and group["status"] == "incomplete"
+
+
+def test_cli_two_arm_directories_as_the_sweep_prints_them(tmp_path, capsys):
+    base = write_arm(tmp_path / "sweep", "base", flat([0.40, 0.41, 0.39, 0.40, 0.42, 0.40, 0.40]))
+    feat = write_arm(tmp_path / "sweep", "feat", flat([0.44, 0.45, 0.43, 0.44, 0.44, 0.46, 0.44]))
+    _, sweep_text = compare.compare_sweep(tmp_path / "sweep", write=False)
+    diff_row = next(line for line in sweep_text.splitlines() if line.startswith("| feat vs base"))
+    assert cli.main([str(base), str(feat)]) == 0
+    assert diff_row in capsys.readouterr().out
+    (feat / "metrics.json").unlink()  # an arm that never wrote its record: its console.log
+    assert cli.main([str(base), str(feat)]) == 0
+    assert diff_row in capsys.readouterr().out
+
+
+def test_cli_two_sweep_directories_of_one_arm_each(tmp_path, capsys):
+    # two single runs (`python -m moe_perf arm=base`), say on two machines, with repeats in one
+    write_arm(tmp_path / "one", "base", flat([0.40] * 7), sweep_id="s1")
+    for repeat, t in enumerate((0.50, 0.52)):
+        write_arm(tmp_path / "two", "base", flat([t] * 7), repeat=repeat, sweep_id="s2")
+    assert cli.main([str(tmp_path / "one"), str(tmp_path / "two"), "--json"]) == 0
+    (group,) = json.loads(capsys.readouterr().out)["groups"]
+    assert group["status"] == "compared"
+    assert group["arms"]["feat"]["runs_ok"] == 2
+    assert group["difference"]["step_time_s"]["pct"] == pytest.approx(27.5)
+
+
+def test_cli_a_sweep_of_both_arms_is_no_side(tmp_path, capsys):
+    write_arm(tmp_path / "sweep", "base", flat([0.40] * 7))
+    feat = write_arm(tmp_path / "sweep", "feat", flat([0.44] * 7))
+    assert cli.main([str(tmp_path / "sweep"), str(feat)]) == 2
+    err = capsys.readouterr().err
+    assert "holds the arms base and feat of one sweep: give it alone" in err
+    assert "Traceback" not in err
+
+
+def test_an_earlier_sweep_moved_aside_names_its_files_where_they_are_now(tmp_path, capsys):
+    sweep = tmp_path / "sweep"
+    write_arm(sweep, "base", flat([0.4] * 7), sweep_id="old")
+    feat = write_arm(sweep, "feat", [], sweep_id="old", status="failed", exit_code=1,
+                     failure="trainer exited 1: OOM")  # fmt: skip
+    state = sweep / ".moe_perf" / "sweep.json"
+    state.parent.mkdir()
+    state.write_text(json.dumps({"sweep_id": "old"}))
+    assert outputs.move_earlier_sweeps(sweep) == {"old": sweep / "previous" / "old"}
+    assert cli.main([str(sweep), "--sweep", "old", "--no-write", "--json"]) == 0
+    (group,) = json.loads(capsys.readouterr().out)["groups"]
+    moved = sweep / "previous" / "old" / "tiny" / feat.name
+    failed = next(run for run in group["runs"] if run["arm"] == "feat")
+    assert failed["log"] == str(moved / "console.log")
+    assert all(Path(run["log"]).is_file() for run in group["runs"])

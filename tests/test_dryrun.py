@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 from conftest import SMALL_RUN, git, moe_perf, sweep_dir
+
+from moe_perf.runner.outputs import GITIGNORE_HEADER
 
 
 def test_dry_run_prints_both_arms_and_launches_nothing(ab_repo):
@@ -22,9 +25,8 @@ def test_dry_run_prints_both_arms_and_launches_nothing(ab_repo):
         assert shas[arm][:10] in cwd  # each arm's command is built from its own commit
         assert f"{arm}: dry run, nothing launched" in out
     assert "nothing to compare" in out
-    # no arm directory, no record, no worktree left
-    assert not list(sweep_dir(ab_repo).glob("*/*/metrics.json"))
-    assert not (sweep_dir(ab_repo) / "tiny").exists()
+    # no sweep directory (not even Hydra's multirun.yaml), no worktree left
+    assert not sweep_dir(ab_repo).exists() and not (ab_repo / "outputs").exists()
     assert len(git(ab_repo, "worktree", "list").splitlines()) == 1
     assert git(ab_repo, "status", "--porcelain") == ""
 
@@ -35,3 +37,42 @@ def test_dry_run_still_refuses_what_a_real_run_refuses(ab_repo):
     assert result.returncode == 2
     assert "training.sequence_length" in result.stderr
     assert "command " not in result.stdout
+    assert not (ab_repo / "outputs").exists()
+
+
+def earlier_sweep(repo) -> dict[str, bytes]:
+    """What a finished sweep leaves in the sweep directory; {relative path: content}."""
+    arm = "tiny/pp1-dp1-cp1-ep1-seq64-fp32-base"
+    files = {
+        ".gitignore": f"{GITIGNORE_HEADER}\n*\n",
+        ".moe_perf/sweep.json": json.dumps({"sweep_id": "20260101-000000-000-1"}),
+        "multirun.yaml": "hydra: {}\n",
+        **{name: f"{name} of the earlier sweep" for name in
+           ("comparison.md", "comparison.json", "comparison.png", "explain.png")},
+        f"{arm}/metrics.json": json.dumps({"sweep_id": "20260101-000000-000-1"}),
+        f"{arm}/console.log": "[moe_perf] step=1/6 ...\n",
+    }  # fmt: skip
+    for name, text in files.items():
+        path = sweep_dir(repo) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return snapshot(sweep_dir(repo))
+
+
+def snapshot(root) -> dict[str, bytes]:
+    """Every file and directory under `root` with its content (None for a directory)."""
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}  # fmt: skip
+
+
+def test_a_dry_run_after_a_sweep_writes_nothing_and_moves_nothing(ab_repo):
+    before = earlier_sweep(ab_repo)
+    result = moe_perf(ab_repo, *SMALL_RUN, "dry_run=true", "-m", "arm=base,feat")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "kept earlier sweep" not in result.stdout
+    assert snapshot(sweep_dir(ab_repo)) == before  # multirun.yaml too, which Hydra rewrote
+    # the config the printed command names is not there yet: said so
+    config = sweep_dir(ab_repo) / "tiny" / "pp1-dp1-cp1-ep1-seq64-fp32-feat" / "config.yaml"
+    assert f"feat: {config} is written when the sweep runs; a dry run writes nothing" in (
+        result.stdout
+    )

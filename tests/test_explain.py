@@ -384,6 +384,11 @@ def test_planted_expert_gemms_show_up_as_expert_gemm_time(tmp_path):
     assert "Moved most: expert/grouped GEMM" in md and "not the measured steps" in md
     assert "Moved most: expert/grouped GEMM" in result.stdout
     assert (tmp_path / "outputs" / "validate-performance" / section["plot"]).is_file()
+    # the profiler's start and stop markers (kineto's `USDT: ... profiler_start`) are in the
+    # arms' console.log, not on the console
+    logs = list((tmp_path / "outputs" / "validate-performance").glob("tiny/*/console.log"))
+    assert len(logs) == 2 and all("] profiler_start" in log.read_text() for log in logs)
+    assert "profiler_start" not in result.stdout + result.stderr
     for arm in ("base", "feat"):  # the measured steps are only the measured ones
         arm_dir = tmp_path / "outputs" / "validate-performance" / "tiny"
         (record,) = [json.loads(p.read_text()) for p in arm_dir.glob(f"*-{arm}/metrics.json")]
@@ -419,3 +424,33 @@ def test_an_a_a_sweep_moves_no_category_beyond_its_noise(tmp_path):
 )
 def test_noise_drops_only_the_one_step_farthest_from_the_median(values, expected):
     assert explain.spread(values) == pytest.approx(expected)
+
+
+@pytest.fixture(scope="module")
+def aa_section(tmp_path_factory, one_rank_group) -> dict:
+    tmp_path = tmp_path_factory.mktemp("aa")
+    records = [arm_record(tmp_path, arm, Step(**CPU_SIZES), steps=5) for arm in ("base", "feat")]
+    return explain.explain_group(records)
+
+
+def test_the_table_says_where_the_noise_is_the_floor_and_why(aa_section):
+    table = explain.markdown({"explain": aa_section})
+    floor = explain.NOISE_FLOOR_CPU * aa_section["arms"]["base"]["step_ms"]["median"]
+    for row in aa_section["categories"]:
+        if row["base_ms"] or row["feat_ms"]:
+            line = next(x for x in table if x.startswith(f"| {row['label']} |"))
+            at_floor = row["noise_ms"] == pytest.approx(floor)
+            assert line.endswith(f"| {row['noise_ms']:.3f} (floor) |") == at_floor, line
+    (note,) = [x for x in table if x.startswith("`(floor)`")]
+    assert "3.0% of the base step" in note and "between processes" in note
+
+
+def test_the_table_says_why_the_categories_do_not_add_up_to_the_step(aa_section):
+    table = explain.markdown({"explain": aa_section})
+    arms = aa_section["arms"]
+    added = {a: sum(c["median"] for c in arms[a]["categories"].values()) for a in arms}
+    row = next(x for x in table if x.startswith("| categories added up |"))
+    assert row.startswith(f"| categories added up | {added['base']:.3f} | {added['feat']:.3f} |")
+    (why,) = [x for x in table if "medians of the parts" in x]
+    step = arms["base"]["step_ms"]["median"]
+    assert f"base's add up to {added['base']:.1f} ms against a {step:.1f} ms profiled step" in why

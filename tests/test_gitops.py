@@ -8,9 +8,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, moe_perf, write
+from conftest import commit, git, make_ab_repo, moe_perf, write
 
 from moe_perf.runner import git as gitops
+from moe_perf.runner.session import trainer_code_note
 
 
 def test_refs_resolve_branch_before_tag_then_sha(repo):
@@ -73,6 +74,29 @@ def test_path_in_commit(repo):
     assert gitops.path_in_commit(repo, sha, "trainer")
     assert gitops.path_in_commit(repo, sha, "trainer/main.py")
     assert not gitops.path_in_commit(repo, sha, "moe_perf/trainer")
+
+
+def test_a_code_path_at_neither_commit_is_said_with_what_each_arm_runs(tmp_path):
+    repo = make_ab_repo(tmp_path / "repo")
+    shas = {"base": git(repo, "rev-parse", "main"), "feat": git(repo, "rev-parse", "feature")}
+    own = ["-m", "mytrainer"]
+    assert trainer_code_note(repo, "mytrainer", shas, own) is None
+    typo = trainer_code_note(repo, "mytrainr", shas, own)
+    assert f"trainer.code_path=mytrainr is at neither commit (base {shas['base'][:10]}, feat " \
+           f"{shas['feat'][:10]}) of {repo}: check the path" in typo  # fmt: skip
+    assert "`mytrainer` is in the repository, so each arm runs its own commit's copy" in typo
+    assert "installed" not in typo
+    installed = trainer_code_note(repo, "moe_perf/trainer", shas, ["-m", "moe_perf.trainer"])
+    assert "both arms run the same (installed) trainer code" in installed
+    # a trainer added on the feature branch only
+    git(repo, "checkout", "-q", "-b", "new-trainer")
+    shas["feat"] = commit(repo, {"newtrainer.py": "print(1)\n"}, "a trainer of its own")
+    one = trainer_code_note(repo, "newtrainr.py", shas, ["-m", "newtrainer", "--steps", "2"])
+    assert "is at neither commit" in one
+    assert ("feat runs `newtrainer` from its own commit; at base it is not in the repository "
+            "(an installed copy, if any)") in one  # fmt: skip
+    script = trainer_code_note(repo, "newtrainer.py", shas, ["newtrainer.py"])
+    assert "is missing at base" in script and "feat runs `newtrainer.py` from its own" in script
 
 
 HOLD_LOCK = textwrap.dedent(

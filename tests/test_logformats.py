@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_perf.common.contract import format_step
+from moe_perf.report import cli
 from moe_perf.report.logformats import (
     LogReader,
     RunShape,
@@ -481,3 +482,39 @@ def test_cli_refuses_logs_of_two_formats(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "torchtitan" in lines[0] and "megatron" in lines[0]
     assert result.stdout == ""
+
+
+# a user's trainer that prints its own lines
+OWN_REGEX = r"iter (?P<step>\d+) took (?P<step_time_ms>[0-9.]+) ms"
+
+
+def own_lines(ms: float) -> list[str]:
+    return [f"iter {k} took {ms + k % 2:.1f} ms" for k in range(1, 9)]
+
+
+def test_cli_a_log_of_no_known_format_says_so_and_how_to_give_one(tmp_path, capsys):
+    base = write(tmp_path / "base.log", own_lines(400.0))
+    feat = write(tmp_path / "feat.log", own_lines(420.0))
+    assert cli.main([str(base), str(feat)]) == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.strip().splitlines()
+    assert f"{base}: no step line of a format moe_perf knows (tried: contract" in line
+    assert all(name in line for name in ("torchtitan", "megatron", "nemo"))
+    assert "give the format with --format '<regex with named groups>'" in line
+    assert captured.out == ""
+    # the regex it names reads them
+    assert cli.main([str(base), str(feat), "--format", OWN_REGEX]) == 0
+    assert "+5.00% (slower)" in capsys.readouterr().out
+
+
+def test_a_regex_with_a_step_time_needs_only_the_batch_and_sequence_length():
+    unknown = parse_lines(own_lines(400.0), OWN_REGEX, RunShape())
+    (note,) = [d for d in unknown.derivations if d.startswith("tokens_per_s unknown")]
+    assert "give the global batch and sequence length" in note and "world" not in note
+    known = parse_lines(own_lines(400.0), OWN_REGEX, RunShape(global_batch=32, seq_length=2048))
+    assert known.steps[1]["tokens_per_s"] == pytest.approx(65536 / 0.4)
+    # a per-device figure does need the world size to be made global
+    titan_lines = [titan(k, 8192, second=k) for k in range(1, 9)]
+    per_device = parse_lines(titan_lines, "torchtitan", RunShape(global_batch=32, seq_length=2048))
+    (note,) = [d for d in per_device.derivations if d.startswith("tokens_per_s unknown")]
+    assert "world size" in note

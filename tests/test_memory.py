@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import moe_perf
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from moe_perf.common import contract, memory
-from moe_perf.common.config import config_from_dict
+from moe_perf.common.config import Config, config_from_dict
 from moe_perf.runner import preflight
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +63,7 @@ def test_the_estimate_matches_the_measured_peak_on_cpu(tmp_path, case, dtype):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     steps = [s for s in map(contract.parse_step, proc.stdout.splitlines()) if s]
-    measured = max(s["peak_mem_gib"] for s in steps)  # the process's max RSS on CPU
+    measured = max(s["peak_mem_gib"] for s in steps)  # the process's own peak RSS (VmHWM) on CPU
     estimated = memory.estimate(config_from_dict(raw), "cpu")
     assert measured > 0.9, "a case too small to test the estimate"
     assert abs(estimated.gib() / measured - 1) <= TOLERANCE, (estimated.breakdown(), measured)
@@ -258,3 +260,42 @@ def test_a_skew_that_cannot_fit_is_refused_with_the_imbalance_that_would():
     assert f"out of memory before it starts: qwen3-30b-a3b {tag} needs" in message
     assert "would fit: " in message and ", routing.imbalance=2;" in message
     preflight.check_memory(skewed("routing.imbalance=2", f"mesh.device_memory_gib={fits_at_2}"))
+
+
+def test_another_trainers_memory_is_not_estimated_and_that_is_said(ab_repo):
+    gpu_preset = ["model=qwen3-30b-a3b", "mesh=ep8", "mesh.device_memory_gib=80",
+                  "wandb.mode=disabled", "dry_run=true"]  # fmt: skip
+    reference = moe_perf(ab_repo, *gpu_preset, "-m", "arm=base,feat")
+    assert reference.returncode == 2 and "out of memory before it starts" in reference.stderr
+    # the README's recipe: trainer.name stays `reference`, the command is the user's trainer
+    own = moe_perf(ab_repo, *gpu_preset, "trainer.command=[-m,mytrainer]",
+                   "trainer.code_path=mytrainer", "-m", "arm=base,feat")  # fmt: skip
+    assert own.returncode == 0, own.stdout + own.stderr
+    assert ("memory is not checked before launch: moe_perf estimates only its reference "
+            "trainer's memory, and trainer.command=[-m,mytrainer] runs another trainer"
+            ) in own.stdout  # fmt: skip
+    assert "activation_checkpointing" not in own.stdout + own.stderr
+
+
+def test_the_readme_says_what_hardware_its_headline_command_needs():
+    readme = (ROOT / "README.md").read_text()
+    command = readme.split("```\n", 2)[1].splitlines()[0]
+    assert command == "python -m moe_perf model=qwen3-30b-a3b mesh=ep8 -m arm=base,feat"
+    overrides = [word for word in command.split() if "=" in word and "," not in word]
+    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+        checkpointed = compose("config", overrides=[*overrides, CHECKPOINTING])
+    needs = [memory.estimate(trainer_sections(c), "cuda").gib() for c in (cfg, checkpointed)]
+    headline = readme.split(command, 1)[1].split("\n\n", 2)[1]
+    assert f"{needs[0]:.1f} GiB per GPU" in headline, headline
+    assert f"`{CHECKPOINTING}` ({needs[1]:.1f} GiB)" in headline, headline
+    assert needs[0] > 80 > needs[1]  # over an 80 GB H100; under it with checkpointing
+
+
+CHECKPOINTING = "trainer.activation_checkpointing=full"
+
+
+def trainer_sections(cfg) -> Config:
+    return config_from_dict(
+        {k: OmegaConf.to_container(cfg[k], resolve=True) for k in preflight.TRAINER_SECTIONS}
+    )

@@ -7,6 +7,8 @@ trainer of conftest.py); the picture tests draw real PNGs from arm records.
 
 from __future__ import annotations
 
+import io
+import math
 import os
 import re
 import subprocess
@@ -16,10 +18,13 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_RUN, moe_perf, sweep_dir
 
+from moe_perf.common.contract import format_step
+from moe_perf.launchers.process import run_trainer
 from moe_perf.report.comparison import compare_records
+from moe_perf.report.logformats import LogReader
 from moe_perf.report.record import summarize
 from moe_perf.report.render import verdict, write_outputs
-from moe_perf.runner.progress import RankThreads, StepProgress, clock_time
+from moe_perf.runner.progress import RankThreads, StepProgress, UnmatchedLines, clock_time
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_CODES = {0, 1, 2, 3, 130}
@@ -58,6 +63,9 @@ def test_help_says_what_moe_perf_does_with_examples_groups_outputs_and_exit_code
     assert "multirun.yaml" in text and "wandb/" in text and ".moe_perf/sweep.json" in text
     assert documented_exit_codes(text) == EXIT_CODES
     assert "3    the sweep ran and at least one arm failed" in text
+    assert "moe_perf_schema" not in text  # the typed schema's groups are internal
+    assert "<sweep dir>/previous/<sweep id>/" in text and "<model>/previous" not in text
+    assert "explain=true" in text and "explain.png" in text
 
 
 def test_compare_help_has_examples_outputs_and_exit_codes(tmp_path):
@@ -72,9 +80,34 @@ def test_readme_documents_the_same_exit_codes_and_outputs():
     readme = (ROOT / "README.md").read_text()
     assert documented_exit_codes(readme) == EXIT_CODES
     outputs = readme.split("## Outputs", 1)[1].split("\n## ", 1)[0]
-    for name in ("comparison.png", "multirun.yaml", "wandb/", ".moe_perf/sweep.json",
+    for name in ("comparison.png", "explain.png", "multirun.yaml", "wandb/", ".moe_perf/sweep.json",
                  ".moe_perf/identity/", "metrics.json", "console.log"):  # fmt: skip
         assert name in outputs, name
+
+
+def test_readme_names_every_option_explain_and_the_tests_a_cpu_machine_skips():
+    readme = (ROOT / "README.md").read_text()
+    for group in ("model", "mesh", "dtype", "arm", "trainer", "launcher"):
+        (row,) = [line for line in readme.splitlines() if line.startswith(f"| `{group}` |")]
+        for option in (p.stem for p in (ROOT / "conf" / group).glob("*.yaml")):
+            assert f"`{option}`" in row, (group, option)
+    assert "`explain=true`" in readme
+    tests = readme.split("## Setup", 1)[1].split("\n## ", 1)[0]
+    for skipped in ("Megatron-LM", "CUDA", "MOE_PERF_TORCHTITAN_03"):
+        assert skipped in tests, skipped
+
+
+# a path of this repository named in a doc: moe_perf/common/contract.py, not .moe_perf/...
+_NAMED_PATH = re.compile(
+    r"(?<![\w./])((?:moe_perf|bench|tests|conf|docs)/[\w./-]+\.(?:py|md|yaml))"
+)
+
+
+def test_every_source_path_the_docs_name_exists():
+    docs = [ROOT / "README.md", ROOT / "conf" / "hydra" / "help" / "moe_perf.yaml",
+            *(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")]  # fmt: skip
+    named = [(doc.name, path) for doc in docs for path in _NAMED_PATH.findall(doc.read_text())]
+    assert [f"{doc}: {path}" for doc, path in named if not (ROOT / path).exists()] == []
 
 
 def test_list_shows_every_preset_in_one_line(tmp_path):
@@ -238,6 +271,14 @@ def test_step_progress_eta_comes_from_the_measured_steps():
     assert clock_time(3723) == "1:02:03"
 
 
+def test_a_negative_loss_is_shown_and_a_nan_loss_is_unknown():
+    reader = LogReader("contract")
+    line = format_step(2, 8, step_time_s=0.5, tokens_per_s=10.0, peak_mem_gib=0.1, loss=-0.25)
+    assert "loss -0.25  elapsed" in StepProgress("feat", 8).line(reader.feed(line))
+    nan = format_step(3, 8, step_time_s=0.5, tokens_per_s=10.0, peak_mem_gib=0.1, loss=math.nan)
+    assert reader.feed(nan)["loss"] is None
+
+
 def test_rank_threads_split_the_cores_unless_the_environment_says(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     cores = len(os.sched_getaffinity(0))
@@ -248,3 +289,43 @@ def test_rank_threads_split_the_cores_unless_the_environment_says(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     given = RankThreads.for_launch(8)
     assert given.env == {} and "OMP_NUM_THREADS=3 each (from your environment)" in given.describe()
+
+
+# ---- a log format that reads nothing ---------------------------------------------------------
+
+OWN_LINES = [f"iter {k} took {400 + k}.5 ms" for k in range(1, 6)]
+NO_MATCH = r"step (?P<step>\d+) (?P<step_time_ms>[0-9.]+)ms"
+
+
+def test_lines_like_steps_that_the_format_misses_are_said_at_the_third():
+    watch = UnmatchedLines(NO_MATCH)
+    startup = ["loading 3 shards", "model has 12,345 parameters", "[rank1]:iter 1 took 1 ms"]
+    assert [watch.feed(line, step_line=False) for line in startup + OWN_LINES[:2]] == [None] * 5
+    warning = watch.feed(OWN_LINES[2], step_line=False)
+    assert f"trainer.log_format={NO_MATCH!r} has read no step" in warning
+    assert f"e.g. {OWN_LINES[2]!r}" in warning and "no metrics" in warning
+    assert watch.feed(OWN_LINES[3], step_line=False) is None  # said once
+    read = UnmatchedLines(NO_MATCH)
+    read.feed("step 1 400.0ms", step_line=True)
+    assert [read.feed(line, step_line=False) for line in OWN_LINES] == [None] * 5
+
+
+def test_lines_of_a_known_format_are_named():
+    watch = UnmatchedLines("contract")
+    titan = [f"[titan] 2026-07-17 12:05:0{k},000 - root - INFO - step: {k}  loss: 6.1  "
+             f"memory: 4.26GiB(2.39%)  tps: 72,915" for k in (1, 2, 3)]  # fmt: skip
+    warning = [watch.feed(line, step_line=False) for line in titan][-1]
+    assert "that line reads as torchtitan's: trainer.log_format=torchtitan?" in warning
+
+
+def test_the_warning_comes_while_the_arm_runs(tmp_path):
+    trainer = "import time\n" + "".join(f"print({line!r}, flush=True)\n" for line in OWN_LINES)
+    trainer += "time.sleep(0.2)\nprint('the last line', flush=True)\n"
+    console = io.StringIO()
+    result = run_trainer([sys.executable, "-c", trainer], cwd=tmp_path, arm_dir=tmp_path,
+                         label="base", timeout_s=60, kill_grace_s=5, max_steps=5,
+                         one_process=True, echo=console, log_format=NO_MATCH)  # fmt: skip
+    assert result.failure.startswith("no metrics")  # as before, at the end
+    out = console.getvalue()
+    assert "base: warning: trainer.log_format=" in out
+    assert out.index("warning: trainer.log_format") < out.index("[base] the last line")

@@ -61,6 +61,7 @@ def test_dirty_tree_untracked_counts_ignored_does_not(repo):
     result = moe_perf(repo, "wandb.mode=disabled")
     assert result.returncode == 2
     assert "not clean" in result.stderr and "new_file.py" in result.stderr
+    assert "`git stash -u`" in result.stderr  # a plain `git stash` leaves untracked files
     assert "scratch" not in result.stderr
     assert_nothing_launched(repo)
 

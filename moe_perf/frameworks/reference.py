@@ -14,6 +14,13 @@ from moe_perf.frameworks.base import TrainerLaunch
 REFERENCE_COMMAND = ["-m", "moe_perf.trainer"]
 
 
+def runs_reference_trainer(cfg: Any) -> bool:
+    """Whether the arms run moe_perf's own trainer: `trainer=reference` with its command (the
+    same adapter runs any contract trainer given by `trainer.command`)."""
+    command = [str(part) for part in cfg.trainer.get("command") or []]
+    return str(cfg.trainer.name) == "reference" and command == REFERENCE_COMMAND
+
+
 class ContractTrainer:
     name = "reference"
 
@@ -26,8 +33,7 @@ class ContractTrainer:
     def check_host(self, cfg: Any) -> None:
         """fp8: the reference trainer's float8 linears are torchao's (another contract trainer
         brings its own: only the device is checked for it)."""
-        reference = [str(part) for part in cfg.trainer.command] == REFERENCE_COMMAND
-        check_fp8_host(cfg, torchao=reference)
+        check_fp8_host(cfg, torchao=runs_reference_trainer(cfg))
 
     def launch(self, cfg: Any, arm_dir: Path, config_path: Path, worktree: Path) -> TrainerLaunch:
         argv = [str(part) for part in cfg.trainer.command] + [str(config_path)]

@@ -22,11 +22,15 @@ from typing import TextIO
 from moe_perf.launchers.failures import LaunchFailure, describe, read_failure
 from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
 from moe_perf.report.logformats import LogReader, ParsedLog, RunShape, TeeLines
-from moe_perf.runner.progress import StepProgress
+from moe_perf.runner.progress import StepProgress, UnmatchedLines
 
 # torchrun --tee prefixes every worker line with its rank: "[rank0]:" (trainer_env asks for the
 # global rank) or, by default, the local one: "[default0]:".
 _RANK_PREFIX_RE = re.compile(r"^\[(?:default|rank)(\d+)\]:")
+# Lines that tell a person watching nothing (console.log keeps them): kineto's marker of every
+# profiler start and stop, `USDT:<time> <pid>:<tid> SyncActivityProfilerHandler.cpp:52]
+# profiler_start`, printed at a log level above its errors' (KINETO_LOG_LEVEL would hide both).
+_CONSOLE_NOISE_RE = re.compile(r"^USDT:.*\] profiler_(?:start|stop)\s*$")
 
 
 @dataclass
@@ -83,6 +87,7 @@ class _Pump:
         self.log, self.label, self.echo = log, label, echo
         self.reader, self.max_steps = reader, max_steps
         self.progress = StepProgress(label, max_steps)  # elapsed and ETA per step line
+        self.unmatched = UnmatchedLines(reader.log_format)  # a format that reads no step
         self.quiet = False  # stopping: torchrun's words about the signal go to console.log only
         self._lock = threading.Lock()  # one line at a time into console.log and the reader
         self.threads = [
@@ -115,6 +120,9 @@ class _Pump:
         sample = self.reader.feed(line)
         if self.quiet:
             return
+        warning = self.unmatched.feed(line, self.reader.step_line)
+        if warning:
+            self._print(f"[moe_perf] {self.label}: warning: {warning}")
         if sample is not None:
             self._print(self.progress.line(sample))
             return
@@ -123,7 +131,9 @@ class _Pump:
         match = _RANK_PREFIX_RE.match(line)
         if match and match.group(1) != "0":
             return  # other ranks: console.log and torchrun/ only
-        self._print(f"[{self.label}] {line[match.end() :] if match else line}")
+        text = line[match.end() :] if match else line
+        if not _CONSOLE_NOISE_RE.match(text):
+            self._print(f"[{self.label}] {text}")
 
     def _print(self, text: str) -> None:
         self.echo.write(text + "\n")

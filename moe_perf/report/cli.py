@@ -1,9 +1,12 @@
-"""`python -m moe_perf.compare`: a sweep directory, or two logs / metrics.json files.
+"""`python -m moe_perf.compare`: a sweep directory, or two sides (logs, metrics.json files, arm
+or sweep directories).
 
 python -m moe_perf.compare SWEEP_DIR            re-print (and re-write) a sweep's comparison
 python -m moe_perf.compare SWEEP_DIR --sweep ID an earlier sweep's, kept in SWEEP_DIR/previous/ID
 python -m moe_perf.compare BASE FEAT            two console logs or metrics.json files, each
-                                                log's format detected (report/logformats.py)
+                                                log's format detected (report/logformats.py),
+                                                two arm directories, or two sweep directories
+                                                of one arm each (single runs, or repeats)
 python -m moe_perf.compare BASE FEAT --global-batch 32 --seq-length 2048 --world-size 8
 """
 
@@ -13,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from moe_perf.report.comparison import compare_records, compare_sweep, load_arm
-from moe_perf.report.logformats import FORMATS, RunShape, line_parser
+from moe_perf.report.comparison import compare_records, compare_sweep, load_arm, load_sweep
+from moe_perf.report.logformats import FORMATS, REGEX_TIMING, RunShape, UnknownFormat, line_parser
 from moe_perf.report.record import strict_json
 from moe_perf.report.render import render, write_outputs
 from moe_perf.report.sweep import find_sweep
@@ -42,13 +45,44 @@ def check_same_format(records: list[dict], paths: list[Path]) -> None:
         )
 
 
+def load_sweep_side(sweep_dir: Path, arm: str) -> list[dict]:
+    """The records of a sweep directory's current sweep as one side: every run of one arm (a
+    single run of `python -m moe_perf`, or its repeats), all compared as `arm`."""
+    records, _ = load_sweep(sweep_dir)
+    if not records:
+        raise ValueError(f"{sweep_dir}: no metrics.json or console.log, and no arm record of "
+                         f"a sweep under it")  # fmt: skip
+    arms = sorted({str(r.get("arm")) for r in records})
+    if len(arms) > 1:
+        example = Path(records[0]["_path"]).parent
+        raise ValueError(
+            f"{sweep_dir} holds the arms {' and '.join(arms)} of one sweep: give it alone to "
+            f"compare them (python -m moe_perf.compare {sweep_dir}), or one arm directory per "
+            f"side, e.g. {example}"
+        )
+    for record in records:
+        record["arm"] = arm
+    return records
+
+
+def load_side(path: Path, arm: str, fmt: str, shape: RunShape | None) -> list[dict]:
+    """One side of BASE FEAT: a console log or metrics.json file; an arm directory (its
+    metrics.json, else its console.log); or a sweep directory of runs of one arm."""
+    if path.is_dir():
+        for name in ("metrics.json", "console.log"):
+            if (path / name).is_file():
+                return [load_arm(path / name, arm, fmt, shape)]
+        return load_sweep_side(path, arm)
+    return [load_arm(path, arm, fmt, shape)]
+
+
 def compare_paths(base: Path, feat: Path, fmt: str = "auto", out_dir: Path | None = None,
                   shape: RunShape | None = None) -> tuple[dict, str]:  # fmt: skip
-    """(report, text) for two logs or metrics.json files, compared as one group."""
-    records = [load_arm(base, "base", fmt, shape), load_arm(feat, "feat", fmt, shape)]
-    check_same_format(records, [base, feat])
+    """(report, text) for two logs, metrics.json files, arm or sweep directories."""
+    records = load_side(base, "base", fmt, shape) + load_side(feat, "feat", fmt, shape)
+    check_same_format(records, [Path(r["_path"]) for r in records])
     keys = {(r.get("model"), r.get("tag")) for r in records}
-    if len(keys) > 1 or keys == {("-", "-")}:
+    if len(records) == 2 and (len(keys) > 1 or keys == {("-", "-")}):
         for record in records:  # two files named on purpose: compare them as one group
             record["model"], record["tag"] = "files", f"{_short(base)} vs {_short(feat)}"
     notes = []
@@ -64,13 +98,16 @@ def compare_paths(base: Path, feat: Path, fmt: str = "auto", out_dir: Path | Non
 
 COMPARE_HELP = """\
 Compare base and feat without running anything: a sweep directory of `python -m moe_perf`
-(re-prints and re-writes its comparison), or two console logs or metrics.json files, each
-log's format detected (moe_perf's contract lines, torchtitan, Megatron-LM, NeMo) or given.
+(re-prints and re-writes its comparison), or BASE and FEAT: two arm directories, two sweep
+directories of one arm each, or two console logs or metrics.json files, each log's format
+detected (moe_perf's contract lines, torchtitan, Megatron-LM, NeMo) or given.
 Median step time, tokens/s and peak memory per arm, first step dropped, and the difference."""
 
 COMPARE_EPILOG = """\
 examples:
   python -m moe_perf.compare outputs/validate-performance
+  python -m moe_perf.compare outputs/validate-performance/tiny/<tag>-base \
+                             outputs/validate-performance/tiny/<tag>-feat
   python -m moe_perf.compare base/console.log feat/console.log --out cmp/
   python -m moe_perf.compare base.log feat.log --global-batch 32 --seq-length 2048 --world-size 8
 
@@ -88,7 +125,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog=COMPARE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("paths", nargs="+", type=Path, help="SWEEP_DIR, or BASE FEAT")
+    p.add_argument(
+        "paths",
+        nargs="+",
+        type=Path,
+        help="SWEEP_DIR, or BASE FEAT (files, arm or sweep directories)",
+    )
     p.add_argument(
         "--format",
         default="auto",
@@ -123,6 +165,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("give a sweep directory, or two files: BASE FEAT", file=sys.stderr)
             return 2
+    except UnknownFormat as exc:
+        print(f"moe_perf.compare: {exc}; if it prints its steps another way, give the format "
+              f"with --format '<regex with named groups>': (?P<step>...) and one of "
+              f"{', '.join(f'(?P<{g}>...)' for g in REGEX_TIMING)}, e.g. --format "
+              f"'iter (?P<step>[0-9]+) took (?P<step_time_ms>[0-9.]+) ms' (or --format "
+              f"{'|'.join(FORMATS)} to read it as one of those)", file=sys.stderr)  # fmt: skip
+        return 2
     except (OSError, ValueError) as exc:
         print(f"moe_perf.compare: {exc}", file=sys.stderr)
         return 2

@@ -518,6 +518,7 @@ def _differences(base: dict, feat: dict) -> dict:
             "delta_ms": delta,
             "pct": delta / b["median"] * 100 if b["median"] > 0 else None,
             "noise_ms": noise,
+            "noise_is_floor": steps_known and floor >= max(b["spread"], f["spread"]),
             "beyond_noise": None if noise is None else abs(delta) > noise,
         })  # fmt: skip
     moved = max(rows, key=lambda r: abs(r["delta_ms"]))
@@ -591,10 +592,14 @@ def _category_table(section: dict) -> list[str]:
             continue
         pct = "-" if row["pct"] is None else f"{row['pct']:+.1f}%"
         mark = " *" if row["beyond_noise"] else ""
+        floor = " (floor)" if row.get("noise_is_floor") else ""
         lines.append(
             f"| {row['label']} | {_ms(row['base_ms'])} | {_ms(row['feat_ms'])} | "
-            f"{_ms(row['delta_ms'], True)}{mark} | {pct} | {_ms(row['noise_ms'])} |"
+            f"{_ms(row['delta_ms'], True)}{mark} | {pct} | {_ms(row['noise_ms'])}{floor} |"
         )
+    added = {a: categories_added_up(s) for a, s in (("base", base), ("feat", feat))}
+    lines.append(f"| categories added up | {_ms(added['base'])} | {_ms(added['feat'])} | "
+                 f"{_ms(added['feat'] - added['base'], True)} | | |")  # fmt: skip
     b, f = base["step_ms"]["median"], feat["step_ms"]["median"]
     pct = f"{(f - b) / b * 100:+.1f}%" if b else "-"
     lines.append(f"| profiled step | {_ms(b)} | {_ms(f)} | {_ms(f - b, True)} | {pct} | |")
@@ -604,7 +609,40 @@ def _category_table(section: dict) -> list[str]:
         "of the two arms, each without its step farthest from its median, at least "
         f"{noise_floor(base):.1%} of the base step)."
     )
+    if any(row.get("noise_is_floor") for row in section["categories"]):
+        lines += ["", _floor_note(base)]
+    lines += ["", _added_up_note(added["base"], b, base["device"])]
     return lines
+
+
+def categories_added_up(arm: dict) -> float:
+    return sum(c["median"] for c in arm["categories"].values())
+
+
+def _floor_note(base: dict) -> str:
+    why = (
+        "on a CPU, op times move with the load and clock of a shared machine between "
+        "processes more than within one, so two arms sit a few percent apart even in an A/A run"
+        if base["device"] == "cpu"
+        else "a change that small is not a move (a GEMM category's per-step range is about a "
+        "microsecond)"
+    )
+    floor = f"{noise_floor(base):.1%} of the base step"
+    return (f"`(floor)`: the category's own per-step range is smaller than the floor, {floor}, "
+            f"so the floor is its noise: {why}.")  # fmt: skip
+
+
+def _added_up_note(added_ms: float, step_ms: float, device: str) -> str:
+    """Each row is a median over the profiled steps on its own; within one step the categories
+    add up to the step: self times and the time outside any op on a CPU, kernels and GPU idle
+    on a GPU (where kernels of two streams overlap, both count)."""
+    within = "Within one step they add up to it"
+    if device != "cpu":
+        within += ", but for kernels that overlap on two streams"
+    return (f"Each category is its own median over the profiled steps, and medians of the parts "
+            f"need not add up to the median of the whole: base's add up to {added_ms:.1f} ms "
+            f"against a {step_ms:.1f} ms profiled step. {within}; the gap is that, not time "
+            f"left out.")  # fmt: skip
 
 
 def _moved_sentence(section: dict) -> list[str]:
@@ -666,7 +704,7 @@ def _memory_lines(section: dict, group: dict) -> list[str]:
         lines.append("")
         lines.append("Allocated and reserved are not reported by this trainer on this device; "
                      "`peak as reported` is the trainer's own figure (the reference trainer: "
-                     "max reserved on GPU, max RSS on CPU).")  # fmt: skip
+                     "max reserved on GPU, its own peak RSS on CPU).")  # fmt: skip
     return lines + [""]
 
 

@@ -53,6 +53,13 @@ from pathlib import Path
 from moe_perf.common.contract import parse_env, parse_step
 
 FORMATS = ("contract", "torchtitan", "megatron", "nemo")
+# how each format's step line begins, for a message that says what was looked for
+FORMAT_LINES = {
+    "contract": "[moe_perf] step=k/N ...",
+    "torchtitan": "step: k  loss: ...",
+    "megatron": "iteration k/ N | consumed samples: ...",
+    "nemo": "Training epoch e, iteration k/N | ...",
+}
 METRIC_KEYS = ("step_time_s", "tokens_per_s", "peak_mem_gib", "loss", "tflops", "mfu")
 # Named groups a user's regex may use: `step`, and step time or tokens/s, the rest optional.
 REGEX_GROUPS = (
@@ -68,7 +75,7 @@ REGEX_GROUPS = (
     "tflops",
     "mfu",
 )
-_REGEX_TIMING = ("step_time_s", "step_time_ms", "tokens_per_s", "tokens_per_s_device")
+REGEX_TIMING = ("step_time_s", "step_time_ms", "tokens_per_s", "tokens_per_s_device")
 _GIB_PER_UNIT = {
     "gib": 1.0,
     "gb": 1e9 / 2**30,
@@ -278,10 +285,10 @@ class RegexFormat:
                 f"log format regex: unknown group(s) {', '.join(unknown)}; "
                 f"named groups are {', '.join(REGEX_GROUPS)}"
             )
-        if "step" not in groups or not groups & set(_REGEX_TIMING):
+        if "step" not in groups or not groups & set(REGEX_TIMING):
             raise ValueError(
                 f"log format regex needs (?P<step>...) and one of "
-                f"{', '.join(f'(?P<{g}>...)' for g in _REGEX_TIMING)}"
+                f"{', '.join(f'(?P<{g}>...)' for g in REGEX_TIMING)}"
             )
 
     def __call__(self, text: str) -> dict | None:
@@ -320,6 +327,14 @@ def line_parser(log_format: str):
     if log_format in named:
         return named[log_format]
     return RegexFormat(log_format)
+
+
+class UnknownFormat(ValueError):
+    """No line of any format moe_perf knows: the message lists what was looked for."""
+
+    def __init__(self, source: str) -> None:
+        tried = ", ".join(f"{name} `{FORMAT_LINES[name]}`" for name in FORMATS)
+        super().__init__(f"{source}: no step line of a format moe_perf knows (tried: {tried})")
 
 
 def detect_format(lines: Iterable[str]) -> str | None:
@@ -365,10 +380,20 @@ def _known(value: float | None) -> float | None:
     return value
 
 
+def _finite(value: float | None) -> float | None:
+    """A loss may be negative (a user's objective, a log-likelihood); only nan and inf are
+    unknown."""
+    return value if value is not None and math.isfinite(value) else None
+
+
 def _positive(value: float | None) -> float | None:
     """0 TFLOP/s, 0 MFU, a 0 s step: not computed, so unknown."""
     value = _known(value)
     return value if value else None
+
+
+# what a figure may be, where it is not `_known` (finite and non-negative)
+_VALUE_RULES = {"tflops": _positive, "mfu": _positive, "loss": _finite}
 
 
 def _values(raw: dict) -> dict:
@@ -381,7 +406,8 @@ def _combine(raws: list[dict]) -> dict:
     the largest memory, the first loss that is a loss (non-last pipeline stages print none)."""
 
     def pick(key, choose):
-        values = [v for v in (_known(r.get(key)) for r in raws) if v is not None]
+        rule = _finite if key == "loss" else _known
+        values = [v for v in (rule(r.get(key)) for r in raws) if v is not None]
         return choose(values) if values else None
 
     first = raws[0]
@@ -548,8 +574,7 @@ class LogReader:
             return None
         for key in METRIC_KEYS:
             if key in sample:
-                unknown_if_zero = key in ("tflops", "mfu")
-                sample[key] = (_positive if unknown_if_zero else _known)(sample[key])
+                sample[key] = _VALUE_RULES.get(key, _known)(sample[key])
         self._raws[sample["step"]] = [sample]
         return sample
 
@@ -739,10 +764,16 @@ class LogReader:
             )
         if "tps_from_device" in used:
             notes.append(f"tokens_per_s = per-device tps x world ({shape.world_size}) (global)")
-        if any(s["tokens_per_s"] is None for s in steps):
+        unknown_tps = [s for s in steps if s["tokens_per_s"] is None]
+        if any("tokens_per_s_device" in s for s in unknown_tps):
             notes.append(
                 "tokens_per_s unknown where the per-device figure cannot be made "
                 "global: give the global batch, sequence length and world size"
+            )
+        elif unknown_tps:  # from a step time: tokens per step is all it takes
+            notes.append(
+                "tokens_per_s unknown: the lines print none; give the global batch and "
+                "sequence length (tokens/s = global batch x sequence length / step time)"
             )
         if any(s["step_time_s"] is None for s in steps[1:]):
             notes.append(
@@ -779,13 +810,17 @@ class LogReader:
 
 
 def parse_lines(
-    lines: Iterable[str], log_format: str = "auto", shape: RunShape | None = None
-) -> ParsedLog:
-    """The normalized steps of these lines; `auto` detects the format (contract when none)."""
+    lines: Iterable[str], log_format: str = "auto", shape: RunShape | None = None,
+    source: str = "the log",
+) -> ParsedLog:  # fmt: skip
+    """The normalized steps of these lines; `auto` detects the format. Raises UnknownFormat
+    when `auto` finds no line of any format (`source` names the lines in its message)."""
     tee = TeeLines()
     lines = [whole for line in lines for whole in tee.split(line)] + tee.rest()
     if log_format == "auto":
-        log_format = detect_format(lines) or "contract"
+        log_format = detect_format(lines)
+        if log_format is None:
+            raise UnknownFormat(source)
     reader = LogReader(log_format, shape)
     for line in lines:
         reader.feed(line)
@@ -796,4 +831,4 @@ def parse_log(
     path: Path | str, log_format: str = "auto", shape: RunShape | None = None
 ) -> ParsedLog:
     text = Path(path).read_text(encoding="utf-8", errors="replace")
-    return parse_lines(text.splitlines(), log_format, shape)
+    return parse_lines(text.splitlines(), log_format, shape, source=str(path))

@@ -278,13 +278,26 @@ def load_record(path: Path) -> tuple[dict | None, str | None]:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         return None, f"skipped {path}: not a {SCHEMA} record: {'; '.join(problems[:3])}{more}"
     record["_path"] = str(path)
-    return _read_as_current(record), None
+    return relocated(_read_as_current(record), Path(path).parent), None
 
 
 def failed_in_build(record: dict) -> bool:
     """The arm never launched: its commit's build (trainer.build) failed, or was refused for
     changing the shared environment. A bisect skips such a commit, as `git bisect skip` does."""
     return (record.get("build") or {}).get("status") in ("failed", "refused")
+
+
+def relocated(record: dict, arm_dir: Path) -> dict:
+    """The record's own paths (`arm_dir`, `log`) where it is read from now: an earlier sweep
+    moved to previous/<id>/ keeps the paths it was written with."""
+    written, now = record.get("arm_dir"), arm_dir.resolve()
+    if not written or Path(written) == now:
+        return record
+    record["arm_dir"] = str(now)
+    log = record.get("log")
+    if log and Path(log).parent == Path(written):
+        record["log"] = str(now / Path(log).name)
+    return record
 
 
 def arm_record(

@@ -31,7 +31,7 @@ ARM_FAILED = 3  # the command's exit code when the sweep ran and at least one ar
 def written_files(report: dict, sweep_dir: Path) -> list[str]:
     """What the sweep left in its directory, one line per place: the comparison, the sweep's
     state, and each arm's directory with its entries (`torchrun/`, `wandb/` are folders)."""
-    top = sorted(p.name for p in sweep_dir.glob("comparison*"))
+    top = sorted(p.name for p in [*sweep_dir.glob("comparison*"), *sweep_dir.glob("explain.png")])
     top += ["multirun.yaml"] if (sweep_dir / "multirun.yaml").exists() else []
     state = sweep_dir / ".moe_perf"  # the sweep's refs -> SHAs, the arms' identity records
     top += sorted(f".moe_perf/{e.name}" + ("/" if e.is_dir() else "") for e in state.glob("*"))

@@ -4,7 +4,8 @@ The prerequisites are checked as for a real sweep; checks of this host (devices 
 warn, so a GPU sweep can be previewed anywhere. The command is built by the same adapter and
 launcher calls as a real launch, from the arm's own code: a worktree at the arm's commit exists
 for as long as the command is being built (an adapter reads the framework's files there) and is
-removed again. Nothing launches and no arm directory is left.
+removed again. Nothing launches, and nothing is written or moved: an earlier sweep's results
+stay where they are, and Hydra's multirun.yaml is put back as it was (session.SweepStart).
 """
 
 from __future__ import annotations
@@ -85,5 +86,7 @@ def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
             f"then reused; log {job.arm_dir / build.BUILD_LOG}; "
             f"{build_cache_words(cfg)}): {shlex.join(build_argv)}")  # fmt: skip
     say(f"{label}: command {shlex.join(argv)}")
+    say(f"{label}: {config_path} is written when the sweep runs; a dry run writes nothing "
+        f"(`--cfg job --resolve` shows the composed config)")  # fmt: skip
     say(f"{label}: the trainer's lines are read as {trainer.log_format}")
     return plan

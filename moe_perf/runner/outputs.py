@@ -12,6 +12,7 @@ own: `python -m moe_perf.compare <sweep dir> --sweep <id>` rebuilds its comparis
 
 from __future__ import annotations
 
+import os
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -85,6 +86,29 @@ def ignore_outputs(repo: Path, sweep_dir: Path) -> None:
         return
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / ".gitignore").write_text(f"{GITIGNORE_HEADER}\n*\n")
+
+
+class DryRunGuard:
+    """What a dry run must leave as it found it: Hydra's sweeper writes multirun.yaml into the
+    sweep directory (making the directory) before any job runs, over an earlier sweep's.
+    Taken before the sweeper runs; `restore` puts the file (content and times) back, or
+    removes it and the directories the dry run made."""
+
+    def __init__(self, sweep_dir: Path) -> None:
+        self.multirun = sweep_dir / "multirun.yaml"
+        self.kept = self.multirun.read_bytes() if self.multirun.is_file() else None
+        self.times = self.multirun.stat() if self.kept is not None else None
+        made = [p for p in (sweep_dir, *sweep_dir.parents) if not p.exists()]
+        self.first_made = made[-1] if made else None  # the outermost directory it will make
+
+    def restore(self) -> None:
+        if self.kept is not None:
+            self.multirun.write_bytes(self.kept)
+            os.utime(self.multirun, ns=(self.times.st_atime_ns, self.times.st_mtime_ns))
+            return
+        self.multirun.unlink(missing_ok=True)
+        if self.first_made is not None:
+            remove_empty_dirs(self.multirun.parent, stop=self.first_made.parent)
 
 
 # ---- earlier sweeps --------------------------------------------------------------------------

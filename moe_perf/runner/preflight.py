@@ -28,6 +28,7 @@ from moe_perf.common.corpus import CorpusError, check_corpus
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.common.mesh import MeshError
 from moe_perf.common.routing import RoutingError
+from moe_perf.frameworks.reference import runs_reference_trainer
 from moe_perf.report.record import ARMS
 from moe_perf.runner import build, schema
 from moe_perf.runner import git as gitops
@@ -189,11 +190,22 @@ def fitting_imbalance(trainer_cfg, fits) -> float | None:
 CLEARLY_OVER = 1.1
 
 
+def memory_check_note(cfg: Any) -> str | None:
+    """Why the memory check does not apply to this sweep's trainer, or None when it does."""
+    if runs_reference_trainer(cfg):
+        return None
+    command = ",".join(str(part) for part in cfg.trainer.get("command") or [])
+    which = (f"trainer.command=[{command}]" if str(cfg.trainer.name) == "reference"
+             else f"trainer={cfg.trainer.name}")  # fmt: skip
+    return (f"memory is not checked before launch: moe_perf estimates only its reference "
+            f"trainer's memory, and {which} runs another trainer")  # fmt: skip
+
+
 def check_memory(cfg: Any, submitting: bool = False) -> None:
     """The reference trainer's estimated peak per rank against the device's memory: refused
     when it is more than CLEARLY_OVER times the device, naming single changes that bring it
-    under the device."""
-    if str(cfg.trainer.name) != "reference":
+    under the device. Another trainer's memory is not estimated (`memory_check_note`)."""
+    if not runs_reference_trainer(cfg):
         return
     if submitting and cfg.mesh.device_memory_gib is None:
         return  # the job checks the host it runs on
@@ -265,8 +277,9 @@ def check_clean_tree(repo: Path) -> None:
     if dirty:
         shown = ", ".join(dirty[:5]) + (f", ... ({len(dirty)} in all)" if len(dirty) > 5 else "")
         raise PrerequisiteError(
-            f"the tree at {repo} is not clean ({shown}): commit or stash your changes first; "
-            f"untracked files count, ignored files don't. Both arms run committed code only."
+            f"the tree at {repo} is not clean ({shown}): commit your changes or `git stash -u` "
+            f"first (untracked files count, ignored files don't; a plain `git stash` leaves "
+            f"them). Both arms run committed code only."
         )
 
 

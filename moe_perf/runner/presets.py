@@ -9,6 +9,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from moe_perf.common.mesh import MeshDims
@@ -16,6 +17,8 @@ from moe_perf.common.mesh import MeshDims
 # A world of up to 4 ranks runs on a CPU in the tests; the larger meshes are sized for GPUs.
 CPU_WORLD = 4
 OTHER_GROUPS = ("dtype", "trainer", "launcher", "arm")
+# Hydra's own groups, and the typed schema's (runner/schema.py): no option for a user to pick
+INTERNAL_GROUPS = ("hydra", "moe_perf_schema")
 
 
 def conf_root(config_dir: str) -> Path:
@@ -39,6 +42,14 @@ def mesh_line(path: Path) -> str:
         where += f", {m.nnodes} nodes x {m.nproc_per_node}"
     return (f"{path.stem:<10} world {dims.world:>2}  pp{dims.pp} cp{dims.cp} ep{dims.ep}  "
             f"dp{dims.dp}  {where}")  # fmt: skip
+
+
+def option_groups() -> str:
+    """`group: option, ...` for every group a user selects, as Hydra's loader sees them (for
+    --help: Hydra's own list, $APP_CONFIG_GROUPS, shows the typed schema's groups too)."""
+    loader = GlobalHydra.instance().config_loader()
+    groups = sorted(g for g in loader.list_groups("") if g not in INTERNAL_GROUPS)
+    return "\n".join(f"{g}: {', '.join(sorted(loader.get_group_options(g)))}" for g in groups)
 
 
 def listing(config_dir: str) -> str:

@@ -2,16 +2,21 @@
 each step with the time spent and the time left, and how many threads each rank gets.
 
 Pure Python and stateless except for `StepProgress`, which remembers when the step lines of one
-arm arrived. The launch's reader (launchers/process.py) feeds it one parsed step at a time.
+arm arrived, and `UnmatchedLines`, which watches for step lines the log format misses. The
+launch's reader (launchers/process.py) feeds them one line at a time.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from moe_perf.report.logformats import clean, detect_format
 
 
 def shown(value: float | None, spec: str) -> str:
@@ -67,6 +72,51 @@ class StepProgress:
         if eta:
             parts.append(f"ETA {eta}")
         return "  ".join(parts)
+
+
+# ---- a log format that reads nothing --------------------------------------------------------
+
+_NUMBER_RE = re.compile(r"[-+]?\d[\d,]*(?:\.\d*)?(?:[eE][-+]?\d+)?")
+_STEP_WORD_RE = re.compile(r"\b(?:step|iter(?:ation)?)\b\D{0,3}\d", re.IGNORECASE)
+
+
+class UnmatchedLines:
+    """Says once, while the arm runs, that its log format reads none of what look like step
+    lines: before any step line was read, rank 0 printed REPEATS lines of one shape (the same
+    text around other numbers) or REPEATS lines that say `step N` / `iter N`. Otherwise a
+    format that matches nothing is only reported when the arm ends, with no metrics."""
+
+    REPEATS = 3
+
+    def __init__(self, log_format: str) -> None:
+        self.log_format = log_format
+        self.shapes: Counter = Counter()
+        self.step_words, self.lines = 0, 0
+        self.done = False  # a step line was read, or the warning given
+
+    def feed(self, line: str, step_line: bool) -> str | None:
+        """The warning to print for this line (once), or None."""
+        self.done = self.done or step_line
+        rank, text = clean(line)
+        text = text.strip()
+        if self.done or rank not in (None, 0) or not text:
+            return None
+        self.lines += 1
+        shape = _NUMBER_RE.sub("#", text)
+        self.shapes[shape] += "#" in shape
+        self.step_words += bool(_STEP_WORD_RE.search(text))
+        if max(self.shapes[shape], self.step_words) < self.REPEATS:
+            return None
+        self.done = True
+        return self.warning(text)
+
+    def warning(self, text: str) -> str:
+        known = detect_format([text])
+        hint = f"; that line reads as {known}'s: trainer.log_format={known}?" if known else ""
+        return (f"trainer.log_format={self.log_format!r} has read no step from the {self.lines} "
+                f"lines the trainer printed so far, though they look like step lines, e.g. "
+                f"{text!r}{hint}; unless a later line matches, the arm ends with no metrics "
+                f"(Ctrl-C stops the sweep)")  # fmt: skip
 
 
 # ---- threads per rank ------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from moe_perf.common.config import (
 )
 from moe_perf.common.mesh import MeshDims, MeshError
 from moe_perf.common.routing import tag_suffix
-from moe_perf.runner import git
+from moe_perf.runner import git, presets
 from moe_perf.runner.job import repeat_suffix
 from moe_perf.stats.verdict import DEFAULT_MAX_PAIRS, MEMORY_TOLERANCE, Plan
 
@@ -305,6 +305,8 @@ def register() -> None:
     OmegaConf.register_new_resolver("moe_perf.micro_batch_upto", micro_batch_upto, replace=True)
     # Evaluated per job; the runner replaces `refs` by what the sweep resolved at its start.
     OmegaConf.register_new_resolver("moe_perf.current_branch", _current_branch, replace=True)
+    # --help's list of groups and options (conf/hydra/help/moe_perf.yaml)
+    OmegaConf.register_new_resolver("moe_perf.option_groups", presets.option_groups, replace=True)
 
 
 register()

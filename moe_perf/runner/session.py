@@ -2,7 +2,8 @@
 
 Starting a sweep takes the repository's lock, stops what a dead sweep left running and removes
 its worktrees, checks the sweep directory, the tree and every job's prerequisites, resolves
-both refs to SHAs, and only then writes: the earlier sweep moved aside, this sweep's state.
+both refs to SHAs, and only then writes: the earlier sweep moved aside, this sweep's state (a
+dry run writes and moves nothing).
 Under the basic launcher `SweepStart` (a Hydra callback) does it before Hydra writes
 multirun.yaml; otherwise the first job does. Later jobs join the sweep (in this process, or in
 a process of their own under a launcher that forks). One `SweepSession` per command holds the
@@ -11,6 +12,7 @@ locks and the active sweep instead of module globals.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import sys
@@ -29,17 +31,43 @@ from moe_perf.runner import git, outputs, preflight
 from moe_perf.runner.job import Job, say
 
 
-def trainer_code_note(repo: Path, code_path: str, shas: dict) -> str | None:
+def command_entry(command: list) -> str | None:
+    """The repository path a trainer command starts from: `-m pkg.mod` imports `pkg` from the
+    arm's worktree first (PYTHONPATH), a script runs from it (its cwd); None for neither."""
+    parts = [str(part) for part in command or []]
+    if len(parts) >= 2 and parts[0] == "-m":
+        return parts[1].split(".")[0]
+    return parts[0] if parts and not parts[0].startswith("-") else None
+
+
+def entry_in_commit(repo: Path, sha: str, entry: str) -> bool:
+    """Whether the command's entry is in the commit: the script, or the package or module."""
+    paths = [entry] if entry.endswith(".py") or "/" in entry else [entry, f"{entry}.py"]
+    return any(git.path_in_commit(repo, sha, path) for path in paths)
+
+
+def trainer_code_note(repo: Path, code_path: str, shas: dict, command: list) -> str | None:
+    """What to say when `trainer.code_path` is not at both commits: where it is missing, and
+    which trainer code each arm then runs (judged by the command's own entry, since a mistyped
+    code_path says nothing about it)."""
     present = {arm: git.path_in_commit(repo, sha, code_path) for arm, sha in shas.items()}
     if all(present.values()):
         return None
-    if not any(present.values()):
-        return (
-            f"trainer.code_path={code_path} is not in {repo}: both arms run the same (installed) "
-            f"trainer code; only what the repository itself changes can differ"
-        )
-    missing = ", ".join(arm for arm, there in present.items() if not there)
-    return f"trainer.code_path={code_path} is missing at {missing}: it runs the installed trainer"
+    missing = [arm for arm, there in present.items() if not there]
+    where = "at neither commit" if len(missing) == len(shas) else f"missing at {', '.join(missing)}"
+    commits = ", ".join(f"{arm} {sha[:10]}" for arm, sha in shas.items())
+    head = f"trainer.code_path={code_path} is {where} ({commits}) of {repo}"
+    entry = command_entry(command)
+    own = [arm for arm, sha in shas.items() if entry and entry_in_commit(repo, sha, entry)]
+    if len(own) == len(shas):
+        return (f"{head}: check the path; `{entry}` is in the repository, so each arm runs its "
+                f"own commit's copy")  # fmt: skip
+    if not own:
+        return (f"{head}: both arms run the same (installed) trainer code; only what the "
+                f"repository itself changes can differ")  # fmt: skip
+    lack = ", ".join(arm for arm in shas if arm not in own)
+    return (f"{head}: {', '.join(own)} runs `{entry}` from its own commit; at {lack} it is not "
+            f"in the repository (an installed copy, if any)")  # fmt: skip
 
 
 def clean_up_dead_sweeps(repo: Path, grace_s: float) -> None:
@@ -111,7 +139,7 @@ def end_sweep(sweep_dir: Path) -> None:
         _worktrees_path(sweep_dir).unlink()
 
 
-def announce(sweep: sweeps.Sweep, code_path: str | None) -> None:
+def announce(sweep: sweeps.Sweep, cfg: Any) -> None:
     short = {arm: sha[:10] for arm, sha in sweep.shas.items()}
     say(f"sweep {sweep.sweep_id} in {sweep.repo}")
     refs = sweep.refs
@@ -119,8 +147,12 @@ def announce(sweep: sweeps.Sweep, code_path: str | None) -> None:
     if sweep.aa_run:
         say(f"A/A run: base and feat are the same commit {short['base']}; "
             f"any difference is run-to-run noise")  # fmt: skip
-    note = trainer_code_note(Path(sweep.repo), code_path, sweep.shas) if code_path else None
-    if note:
+    notes = [preflight.memory_check_note(cfg)]
+    code_path = cfg.trainer.get("code_path")
+    if code_path:
+        command = list(cfg.trainer.get("command") or [])
+        notes.insert(0, trainer_code_note(Path(sweep.repo), code_path, sweep.shas, command))
+    for note in filter(None, notes):
         say(note)
 
 
@@ -147,7 +179,7 @@ class SweepSession:
         """
         if self.active is not None and Path(self.active.sweep_dir) == job.sweep_dir:
             return self.active
-        if job.num > 0:
+        if job.num > 0 and not is_dry_run(cfg):  # a dry run saved no state: an earlier one's
             state = sweeps.load(job.sweep_dir)
             if state is not None:  # a later job in a process of its own
                 self._lock(Path(state.repo), state.sweep_id)
@@ -191,14 +223,23 @@ class SweepSession:
         except BaseException:
             self.locks.pop(str(repo)).release()
             raise
-        outputs.ignore_outputs(repo, job.sweep_dir)
-        for earlier, where in outputs.move_earlier_sweeps(job.sweep_dir).items():
-            say(f"kept earlier sweep {earlier} in {where} (its comparison: python -m "
-                f"moe_perf.compare {job.sweep_dir} --sweep {earlier})")  # fmt: skip
         sweep = sweeps.Sweep(sweep_id, str(job.sweep_dir), str(repo), refs, shas, now_iso())
-        sweeps.save(sweep)
-        announce(sweep, cfg.trainer.get("code_path"))
+        if not is_dry_run(cfg):  # a dry run writes nothing and moves nothing
+            keep_earlier_sweeps(repo, job.sweep_dir)
+            sweeps.save(sweep)
+        announce(sweep, cfg)
         return sweep
+
+
+def is_dry_run(cfg: Any) -> bool:
+    return bool(OmegaConf.select(cfg, "dry_run", default=False))
+
+
+def keep_earlier_sweeps(repo: Path, sweep_dir: Path) -> None:
+    outputs.ignore_outputs(repo, sweep_dir)
+    for earlier, where in outputs.move_earlier_sweeps(sweep_dir).items():
+        say(f"kept earlier sweep {earlier} in {where} (its comparison: python -m "
+            f"moe_perf.compare {sweep_dir} --sweep {earlier})")  # fmt: skip
 
 
 BASIC_LAUNCHER = "hydra._internal.core_plugins.basic_launcher.BasicLauncher"
@@ -213,6 +254,8 @@ class SweepStart(Callback):
     sweep and takes the lock; here the lock is only tried.
     """
 
+    dry_run_guard: outputs.DryRunGuard | None = None
+
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from moe_perf.runner import app  # the command's session; app imports this module
 
@@ -220,6 +263,9 @@ class SweepStart(Callback):
         cwd = Path(str(hc.runtime.cwd))
         sweep_dir = Path(str(hc.sweep.dir))
         sweep_dir = sweep_dir if sweep_dir.is_absolute() else cwd / sweep_dir
+        if is_dry_run(config):  # Hydra's multirun.yaml put back however the command ends
+            self.dry_run_guard = outputs.DryRunGuard(sweep_dir)
+            atexit.register(self.dry_run_guard.restore)
         job = Job(arm_dir=sweep_dir, sweep_dir=sweep_dir, cwd=cwd, multirun=True,
                   config_name=str(kwargs.get("config_name") or "config"),
                   overrides=list(hc.overrides.task))  # fmt: skip
@@ -235,3 +281,8 @@ class SweepStart(Callback):
             say(f"cannot run: {err}", sys.stderr)
             say("nothing was launched: the sweep is stopped", sys.stderr)
             raise SystemExit(2) from None
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self.dry_run_guard is not None:
+            atexit.unregister(self.dry_run_guard.restore)
+            self.dry_run_guard.restore()

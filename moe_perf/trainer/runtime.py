@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
 import sys
 import threading
 import time
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from moe_perf.common.config import ConfigError, ModelConfig
+from moe_perf.common.peak_rss import peak_rss_bytes
 from moe_perf.trainer.attention import causal_attention
 
 _IMPORTED = time.perf_counter()
@@ -308,11 +308,12 @@ def sync(device: torch.device) -> None:
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """Max over ranks: GPU max reserved; CPU max RSS of the process (ru_maxrss is KiB)."""
+    """Max over ranks: GPU max reserved; CPU the process's own peak RSS (never ru_maxrss,
+    which holds the launcher's peak: common/peak_rss.py)."""
     if device.type == "cuda":
         local = torch.cuda.max_memory_reserved(device)
     else:
-        local = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        local = peak_rss_bytes()
     t = torch.tensor([float(local)], device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
