@@ -17,6 +17,7 @@ from conftest import commit, git, make_repo, moe_perf, sweep_dir
 from moe_perf.stats.verdict import Plan, decide, keep_adding
 
 HELPER = Path(__file__).parent / "helpers" / "seeded_trainer.py"
+WORK_TRAINER = Path(__file__).parent / "helpers" / "work_trainer.py"
 spec = importlib.util.spec_from_file_location("seeded_trainer", HELPER)
 seeded = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(seeded)
@@ -171,3 +172,37 @@ def test_bad_verdict_settings_are_refused_before_anything_runs(tmp_path):
         assert not list(sweep_dir(repo).rglob("metrics.json"))
     result = moe_perf(repo, *RUN, "-m", "repeat=auto,1", "arm=base,feat")
     assert result.returncode == 2 and "repeat" in result.stderr
+
+
+# ---- real step times ---------------------------------------------------------------------------
+
+
+def test_a_planted_20_percent_slowdown_is_different_at_the_first_look(tmp_path):
+    # feat does 20% more real work per step; with compare.max_pairs=4 the one look, at the
+    # fourth pair, is the first the rule allows and spends all of its error rate
+    repo = make_repo(tmp_path / "repo", {"mytrainer/__main__.py": WORK_TRAINER.read_text(),
+                                         "mytrainer/knobs.json": '{"iterations": 40}',
+                                         ".gitignore": "__pycache__/\n"})  # fmt: skip
+    git(repo, "checkout", "-q", "-b", "feature")
+    commit(repo, {"mytrainer/knobs.json": '{"iterations": 48}'}, "20% more work per step")
+    result = moe_perf(repo, *RUN, "training.max_steps=16", "compare.max_pairs=4",
+                      "-m", "arm=base,feat")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (group,) = groups(repo).values()
+    verdict = group["verdict"]["step_time_s"]
+    assert (verdict["word"], verdict["pairs"]) == ("DIFFERENT", Plan().first_look), verdict
+    assert 0.05 < verdict["estimate"] < 0.5 and verdict["low"] > 0
+
+
+def test_a_reference_trainer_aa_at_a_rare_false_alarm_rate_is_not_different(tmp_path):
+    # the reference trainer itself (a repository without it runs the installed one in both
+    # arms), an A/A at 99.9%: a false alarm rarer than 1 in 1,000
+    repo = make_repo(tmp_path / "repo")
+    result = moe_perf(repo, "training.sequence_length=64", "training.global_batch=4",
+                      "training.max_steps=8", "wandb.mode=disabled", "compare.confidence=0.999",
+                      "compare.max_pairs=5", "-m", "arm=base,feat", timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (group,) = groups(repo).values()
+    assert group["aa"] and group["pairs"] >= Plan().first_look
+    assert group["verdict"]["step_time_s"]["word"] != "DIFFERENT", group["verdict"]
+    assert group["verdict"]["step_time_s"]["confidence"] == 0.999

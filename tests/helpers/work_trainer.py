@@ -1,0 +1,46 @@
+"""A contract trainer whose steps do real, fixed work: a planted slowdown is more work.
+
+Each step runs `iterations` matmul-and-tanh rounds on a 128x128 matrix (numpy, one thread), so
+its time is measured, not drawn, and a branch that raises `iterations` in its committed
+`knobs.json` (beside this file) is slower by that much work. The step time reported is the
+process's CPU time for the step (`time.process_time`): on a test machine shared with other
+processes, their load would otherwise enter the wall time of each run differently. Run as
+`python -m mytrainer <config.yaml>` by the runner.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy
+import yaml
+
+
+def iterations() -> int:
+    path = Path(__file__).with_name("knobs.json")
+    return int(json.loads(path.read_text()).get("iterations", 40)) if path.exists() else 40
+
+
+def main() -> None:
+    from moe_perf.common.contract import format_step
+    from moe_perf.common.peak_rss import peak_rss_bytes
+
+    cfg = yaml.safe_load(open(sys.argv[1]))
+    steps, rounds = cfg["training"]["max_steps"], iterations()
+    tokens = cfg["training"]["global_batch"] * cfg["training"]["sequence_length"]
+    x = numpy.random.default_rng(cfg["training"]["seed"]).standard_normal((128, 128)) / 16
+    for step in range(1, steps + 1):
+        start = time.process_time()
+        for _ in range(rounds):
+            x = numpy.tanh(x @ x)
+        seconds = time.process_time() - start
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(format_step(step, steps, step_time_s=seconds, tokens_per_s=tokens / seconds,
+                              peak_mem_gib=peak_rss_bytes() / 2**30, loss=float(x.mean())),
+                  flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
