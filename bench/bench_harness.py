@@ -222,12 +222,15 @@ def commit_slow_branch(repo: Path, delay_s: float, slowdown: float) -> dict[str,
 def sweep_command(
     repo: Path, overrides: Sequence[str], feat_ref: str, sweep_dir: Path, repeats: int
 ) -> list[str]:
+    # one pair per repeat index: fixed repeats, or exactly one pair (the harness times arms,
+    # not the verdict's pairs until decided)
     swept = [f"repeat={','.join(str(r) for r in range(repeats))}"] if repeats > 1 else []
+    one_pair = [] if repeats > 1 else ["compare.max_pairs=1"]
     return [
         sys.executable, "-m", "moe_perf",
         *overrides,
         "refs.base=main", f"refs.feat={feat_ref}",
-        f"hydra.sweep.dir={sweep_dir}",
+        f"hydra.sweep.dir={sweep_dir}", *one_pair,
         "-m", *swept, "arm=base,feat",
     ]  # fmt: skip
 
