@@ -164,7 +164,7 @@ def read_record(arm_dir: Path) -> dict | None:
         return None
 
 
-def add_pair(cell: Cell, records: dict[str, dict | None], plan: Plan) -> Verdict:
+def add_pair(cell: Cell, records: dict[str, dict | None], plan: Plan) -> Verdict | None:
     """Adds one pair's records (arm -> record, None when the arm left none) and decides."""
     summaries = {}
     for arm, record in records.items():
@@ -176,7 +176,7 @@ def add_pair(cell: Cell, records: dict[str, dict | None], plan: Plan) -> Verdict
             cell.label = cell.label or f"{record.get('model')} {record.get('tag')}"
     cell.pairs.append(summaries)
     base, feat = cell.medians(DECIDING_METRIC)
-    cell.verdict = decide(base, feat, plan)
+    cell.verdict = decide(base, feat, plan) if base else None  # none while no pair is whole
     return cell.verdict
 
 
