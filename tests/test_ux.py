@@ -241,7 +241,7 @@ def test_picture_of_a_sweep_with_a_failed_arm(tmp_path):
     report, _ = draw(tmp_path, records)
     failed, ok = report["groups"]
     assert verdict(failed).endswith("not compared, no successful run of feat (1 of 2 runs failed)")
-    assert "step time UNKNOWN: +5.00%" in verdict(ok)
+    assert "step time UNKNOWN: +5.0%" in verdict(ok)
 
 
 # ---- progress and threads --------------------------------------------------------------------

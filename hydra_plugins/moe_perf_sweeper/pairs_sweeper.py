@@ -57,11 +57,13 @@ class PairsSweeper(Sweeper):
             raise SystemExit(2) from None
         compare = self.config.compare
         plan = plan_for(sweep_plan, compare)
-        if self.config.get("dry_run"):
-            return self.dry_run(sweep_plan, plan)
+        # as the basic sweeper does (a dry run's is put back by the sweep's DryRunGuard): the
+        # jobs read the sweep's arguments from it
         sweep_dir = sweep_dir_of(self.config)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
+        if self.config.get("dry_run"):
+            return self.dry_run(sweep_plan, plan)
         max_minutes = compare.get("max_minutes")
         pairs.PairSweep(sweep_plan, plan, self.launch, say, sweep_dir, max_minutes).run()
         return self.returns

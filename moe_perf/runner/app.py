@@ -82,7 +82,10 @@ def sweep_arguments(job: Job, multirun: DictConfig | None) -> tuple[str, list[st
         except OSError:
             return None
     params = OmegaConf.select(multirun, "hydra.sweeper.params") or {}
-    arguments = [f"{k}={v}" for k, v in params.items()] + list(multirun.hydra.overrides.task)
+    task = OmegaConf.select(multirun, "hydra.overrides.task")
+    if task is None:
+        return None
+    arguments = [f"{k}={v}" for k, v in params.items()] + list(task)
     return str(OmegaConf.select(multirun, "hydra.sweeper._target_")), arguments
 
 

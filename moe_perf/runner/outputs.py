@@ -176,11 +176,12 @@ def remove_empty_dirs(path: Path, stop: Path) -> None:
     """Removes `path` and its parents while they are empty, up to (not including) `stop`."""
     path, stop = path.resolve(), stop.resolve()
     while path != stop and stop in path.parents:
-        try:
-            path.rmdir()
-        except OSError:
-            return  # not empty, or gone
-        path = path.parent
+        if path.exists():
+            try:
+                path.rmdir()
+            except OSError:
+                return  # not empty
+        path = path.parent  # a directory already gone: its parent may still be empty
 
 
 # ---- arm identity ----------------------------------------------------------------------------
