@@ -7,8 +7,8 @@ between GOOD and BAD, as `git bisect --first-parent` does:
 
 1. BAD itself first: it must be DIFFERENT from GOOD; the sign of that difference is the
    regression's direction (slower or faster). Unless `compare.effect` is given, the probes
-   that follow use half the regression as their effect: a commit is SAME when it is within
-   half of the regression of GOOD.
+   that follow use half the regression as their effect (at most 50%): a commit is SAME when
+   it is within half of the regression of GOOD.
 2. Then halving: a probe DIFFERENT in the regression's direction is bad, a SAME one good.
    A probe whose arms fail (a broken build, a crash) is skipped, like `git bisect skip`; the
    next probe is the untested commit nearest the middle. An UNKNOWN probe (or a DIFFERENT one
@@ -32,6 +32,7 @@ from moe_perf.runner.job import say
 
 DIFFERENT, SAME = "DIFFERENT", "SAME"
 REFUSED = 2  # the command's exit code when a prerequisite fails before anything launches
+MAX_EFFECT = 0.5  # a probe's effect at most: half of a regression that doubled the step
 BISECT_DIR = Path("outputs/bisect")
 USAGE = "python -m moe_perf bisect GOOD BAD [overrides, e.g. model=... mesh=...]"
 
@@ -112,7 +113,7 @@ class Bisection:
                               f"{first.line()}; nothing to bisect")  # fmt: skip
         self.direction = 1 if first.estimate > 0 else -1
         if not any(o.startswith("compare.effect=") for o in self.overrides):
-            self.effect = abs(first.estimate) / 2
+            self.effect = min(abs(first.estimate) / 2, MAX_EFFECT)
             say(f"the probes' effect: half the regression, compare.effect={self.effect:.4g}")
         low, high, skipped = -1, len(self.commits) - 1, set()
         while True:

@@ -71,7 +71,7 @@ class WandbConfig:
 class CompareConfig:
     """The verdict's knobs (moe_perf/stats/verdict.py, docs/verdict.md)."""
 
-    effect: float = knob(Plan.effect, above=0)
+    effect: float = knob(Plan.effect, above=0, max=0.99, why="a relative change below 100%")
     confidence: float = knob(Plan.confidence, min=0.5, max=0.9999,
                              why="an interval of confidence 1 never decides")  # fmt: skip
     max_pairs: int = knob(DEFAULT_MAX_PAIRS, min=1, max=100)

@@ -2,7 +2,8 @@
 
 Each step runs `iterations` matmul-and-tanh rounds on a 128x128 matrix (numpy, one thread), so
 its time is measured, not drawn, and a branch that raises `iterations` in its committed
-`knobs.json` (beside this file) is slower by that much work. The step time reported is the
+`knobs.json` (beside this file) is slower by that much work; `exit_after_step` makes it crash
+after that step (a commit that fails to run). The step time reported is the
 process's CPU time for the step (`time.process_time`): on a test machine shared with other
 processes, their load would otherwise enter the wall time of each run differently. Run as
 `python -m mytrainer <config.yaml>` by the runner.
@@ -18,9 +19,10 @@ import numpy
 import yaml
 
 
-def iterations() -> int:
+def knobs() -> dict:
     path = Path(__file__).with_name("knobs.json")
-    return int(json.loads(path.read_text()).get("iterations", 40)) if path.exists() else 40
+    return {"iterations": 40, "exit_after_step": None,
+            **(json.loads(path.read_text()) if path.exists() else {})}  # fmt: skip
 
 
 def main() -> None:
@@ -28,7 +30,8 @@ def main() -> None:
     from moe_perf.common.peak_rss import peak_rss_bytes
 
     cfg = yaml.safe_load(open(sys.argv[1]))
-    steps, rounds = cfg["training"]["max_steps"], iterations()
+    knob = knobs()
+    steps, rounds = cfg["training"]["max_steps"], int(knob["iterations"])
     tokens = cfg["training"]["global_batch"] * cfg["training"]["sequence_length"]
     x = numpy.random.default_rng(cfg["training"]["seed"]).standard_normal((128, 128)) / 16
     for step in range(1, steps + 1):
@@ -40,6 +43,8 @@ def main() -> None:
             print(format_step(step, steps, step_time_s=seconds, tokens_per_s=tokens / seconds,
                               peak_mem_gib=peak_rss_bytes() / 2**30, loss=float(x.mean())),
                   flush=True)  # fmt: skip
+        if step == knob["exit_after_step"]:
+            sys.exit(f"crashing on purpose after step {step}")
 
 
 if __name__ == "__main__":
