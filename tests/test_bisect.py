@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN, SMALL_TRAINER, commit, git, make_repo, moe_perf, trainer_variant
+from helpers.command import SMALL_RUN, moe_perf
+from helpers.repos import commit, git, make_repo, trainer_files
 
 from moe_perf.runner.bisect import BisectError, next_probe, parse_args
 
@@ -18,12 +19,12 @@ RUN = [o for o in SMALL_RUN if not o.startswith("compare.max_pairs")]
 def history(path: Path, broken: int | None = None) -> list[str]:
     """Commits 1..8 (1 is GOOD, 8 is BAD); from commit 5 on every step sleeps SLOW more;
     commit `broken` crashes after its second step."""
-    make_repo(path, {"mytrainer/__main__.py": SMALL_TRAINER, ".gitignore": "__pycache__/\n"})
+    make_repo(path, {**trainer_files(), ".gitignore": "__pycache__/\n"})
     shas = [git(path, "rev-parse", "HEAD")]
     for i in range(2, 9):
         sleep = SLOW if i >= 5 else 0.0
-        trainer = trainer_variant(sleep, exit_after_step=2 if i == broken else None)
-        shas.append(commit(path, {"mytrainer/__main__.py": trainer, f"notes/{i}.txt": "x"},
+        knobs = trainer_files(sleep, exit_after_step=2 if i == broken else None)
+        shas.append(commit(path, {**knobs, f"notes/{i}.txt": "x"},
                            f"commit {i}"))  # fmt: skip
     return shas
 

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN, commit, git, make_repo, moe_perf, processes_mentioning, sweep_dir
+from helpers.command import SMALL_RUN, moe_perf, processes_mentioning, sweep_dir
+from helpers.repos import commit, git, make_repo
 
 from moe_perf.launchers.failures import build_error
 from moe_perf.launchers.slurm import build_srun_argv

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import git, moe_perf, sweep_dir
-from test_e2e import assert_ok, copy_of_moe_perf
+from helpers.command import assert_ok, moe_perf, sweep_dir
+from helpers.repos import copy_of_moe_perf, git
 
 from moe_perf.frameworks import compile_cache
 

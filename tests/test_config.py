@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from helpers.compose import composed
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -23,11 +23,6 @@ GROUPS = ("model", "mesh", "dtype", "arm", "trainer", "launcher")
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def composed(*overrides: str, hydra_config: bool = False):
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra_config)
 
 
 @pytest.mark.parametrize(

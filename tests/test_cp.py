@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.distributed import run_distributed
+from helpers.mesh_equivalence import check_meshes
 
 from moe_perf.trainer.cp import (
     cp_attention,
@@ -19,8 +21,6 @@ from moe_perf.trainer.cp import (
     unshard_sequence,
     zigzag_positions,
 )
-from tests.distributed_util import run_distributed
-from tests.mesh_equivalence import check_meshes
 
 RTOL, ATOL = 1e-10, 1e-12
 

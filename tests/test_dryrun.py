@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
-from conftest import SMALL_RUN, git, moe_perf, sweep_dir
+from helpers.command import SMALL_RUN, moe_perf, sweep_dir
+from helpers.repos import git
 
 from moe_perf.runner.outputs import GITIGNORE_HEADER
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.distributed import run_distributed
 
 from moe_perf.trainer.dispatch import AllToAllDispatcher
 from moe_perf.trainer.ep import shard_experts_
-from tests.distributed_util import run_distributed
 
 RTOL, ATOL = 1e-10, 1e-12
 E, K, D, FF = 8, 2, 12, 6

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import git, make_repo, moe_perf
+from helpers.command import moe_perf
+from helpers.repos import git, make_repo
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe_perf.report import explain

@@ -6,7 +6,8 @@ import importlib.util
 import shutil
 
 import pytest
-from conftest import SMALL_RUN, git, moe_perf, sweep_dir
+from helpers.command import SMALL_RUN, moe_perf, sweep_dir
+from helpers.repos import git
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvidia-smi") is not None,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from helpers.compose import composed as compose_config
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks import compile_cache
@@ -29,8 +29,8 @@ MESHES = sorted(p.stem for p in (ROOT / "conf" / "mesh").glob("*.yaml"))
 
 
 def composed(*overrides: str):
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=["trainer=megatron", *overrides])
+    """The config with trainer=megatron; `overrides` come after, as on a command line."""
+    return compose_config("trainer=megatron", *overrides)
 
 
 def megatron_arguments():

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from helpers.compose import composed as compose_config
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.armcode import ArmCode
@@ -36,8 +36,8 @@ MESHES = sorted(p.stem for p in (ROOT / "conf" / "mesh").glob("*.yaml"))
 
 
 def composed(*overrides: str):
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=["trainer=torchtitan", *overrides])
+    """The config with trainer=torchtitan; `overrides` come after, as on a command line."""
+    return compose_config("trainer=torchtitan", *overrides)
 
 
 def installed_torchtitan() -> tuple[Path, str] | None:

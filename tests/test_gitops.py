@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, make_ab_repo, moe_perf, write
+from helpers.command import moe_perf
+from helpers.repos import commit, git, make_ab_repo, write
 
 from moe_perf.runner import git as gitops
 from moe_perf.runner.session import trainer_code_note

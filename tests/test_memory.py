@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import moe_perf
+from helpers.command import moe_perf
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 

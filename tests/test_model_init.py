@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from helpers.distributed import run_distributed
 
 from moe_perf.common.config import ModelConfig, config_from_dict
 from moe_perf.common.mesh import MeshDims
@@ -34,7 +35,6 @@ from moe_perf.trainer.moe import moe_layers
 from moe_perf.trainer.parallelize import init_parallel
 from moe_perf.trainer.pp import split_model
 from moe_perf.trainer.train import distribute
-from tests.distributed_util import run_distributed
 
 TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"
 SEED = 11

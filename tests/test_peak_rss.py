@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SMALL_TRAINER
+from helpers.repos import SMALL_TRAINER
 
 from moe_perf.common.peak_rss import peak_rss_gib
 

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from helpers.distributed import run_distributed
+from helpers.mesh_equivalence import check_meshes
 
 from moe_perf.common.config import ConfigError, ModelConfig
 from moe_perf.common.mesh import MeshError, check_microbatches
@@ -30,8 +32,6 @@ from moe_perf.trainer.pp import (
     split_model,
     stage_layers,
 )
-from tests.distributed_util import run_distributed
-from tests.mesh_equivalence import check_meshes
 
 RTOL, ATOL = 1e-9, 1e-12
 SEQ, LOCAL_BATCH = 16, 4  # micro_batch 1: 4 microbatches

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.distributed import run_distributed
 
 from moe_perf.common.config import config_from_dict, skew_plan_of
 from moe_perf.trainer import train
-from tests.distributed_util import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, GLOBAL_BATCH, MICRO_BATCH = 32, 8, 2

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_repo, moe_perf, sweep_dir
+from helpers.command import moe_perf, sweep_dir
+from helpers.repos import make_repo
 
 from moe_perf.common.contract import format_step
 from moe_perf.common.routing import skew_plan

@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN, git, make_ab_repo, moe_perf, sweep_dir, trainer_variant
+from helpers.command import SMALL_RUN, moe_perf, sweep_dir
+from helpers.repos import git, make_ab_repo, trainer_files
 
 from moe_perf.launchers import slurm
 
@@ -259,7 +260,7 @@ def test_launcher_slurm_sweep_matches_local(slurm_cluster, local_sweep, tmp_path
 
 @pytest.mark.slurm
 def test_launcher_slurm_failed_step_is_a_failed_arm(slurm_cluster, tmp_path):
-    repo = make_ab_repo(tmp_path / "repo", base=trainer_variant(exit_after_step=2))
+    repo = make_ab_repo(tmp_path / "repo", base=trainer_files(exit_after_step=2))
     result = in_allocation("salloc", repo, *AB[:-2], "launcher=slurm", *AB[-2:])
     # the sweep goes on past a failed arm, compares, then exits 3 (an arm failed)
     assert result.returncode == 3, result.stdout[-4000:] + result.stderr[-4000:]

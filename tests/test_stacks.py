@@ -16,10 +16,9 @@ from moe_perf.trainer import stacks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import stacks_summary  # noqa: E402
-from test_train_single import run_trainer, write_config  # noqa: E402
+from helpers.trainer_run import run_trainer, write_config  # noqa: E402
 
 HERE = "test_stacks.py"  # a file outside a package: its name alone
 

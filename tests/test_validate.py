@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, moe_perf, sweep_dir, write
+from helpers.command import moe_perf, sweep_dir
+from helpers.repos import commit, git, write
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
