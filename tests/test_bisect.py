@@ -64,6 +64,7 @@ def test_bisect_skips_a_commit_that_fails_to_run(tmp_path):
     assert "skipped" in result.stdout
 
 
+@pytest.mark.slow
 def test_bisect_refuses_what_it_cannot_bisect(tmp_path):
     repo = tmp_path / "repo"
     shas = history(repo)

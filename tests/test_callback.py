@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from helpers.pictures import png_pixels
 from omegaconf import OmegaConf
 
@@ -91,6 +92,7 @@ def run_sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_multirun_prints_comparison_with_repeats(tmp_path):
     result = run_sweep(tmp_path, "arm=base,feat", "repeat=0,1")
     assert result.returncode == 0, result.stderr
@@ -115,6 +117,7 @@ def test_multirun_prints_comparison_with_repeats(tmp_path):
     assert "DIFFERENT" in last and last.endswith("A/A run (one commit), so any difference is noise")
 
 
+@pytest.mark.slow
 def test_multirun_failed_arm_is_shown(tmp_path):
     result = run_sweep(tmp_path, "arm=base,feat", "fail_arm=feat")
     assert result.returncode == 3, result.stderr  # after the comparison is printed and written

@@ -266,6 +266,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_two_logs_same_numbers_as_sweep(tmp_path):
     base = write_arm(tmp_path / "sweep", "base", flat([0.40, 0.41, 0.39, 0.40, 0.42, 0.40, 0.40]))
     feat = write_arm(tmp_path / "sweep", "feat", flat([0.44, 0.45, 0.43, 0.44, 0.44, 0.46, 0.44]))
@@ -285,6 +286,7 @@ def test_cli_two_logs_same_numbers_as_sweep(tmp_path):
     assert sweep.returncode == 0 and sweep.stdout == sweep_text
 
 
+@pytest.mark.slow
 def test_cli_missing_file_is_a_message(tmp_path):
     result = run_cli(str(tmp_path / "nope.log"), str(tmp_path / "nope2.log"))
     assert result.returncode == 2

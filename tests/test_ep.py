@@ -106,6 +106,7 @@ def _check_dispatcher(rank: int, world_size: int, ep: int) -> None:
     assert tokens_per_expert.tolist() == counts[lo:hi].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,ep", [(4, 2), (4, 4)])
 def test_all_to_all_dispatcher_matches_reference(world_size, ep):
     run_distributed(_check_dispatcher, world_size, ep)

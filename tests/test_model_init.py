@@ -288,6 +288,7 @@ def _has_peak_rss() -> bool:
     return status.exists() and "VmHWM:" in status.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_peak_rss(), reason="needs Linux /proc/self/status (VmHWM)")
 @pytest.mark.parametrize("pp_,ep", [(1, 4), (2, 2)], ids=["ep4", "pp2-ep2"])
 def test_no_rank_ever_holds_the_full_model(pp_, ep):

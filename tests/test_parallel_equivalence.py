@@ -29,6 +29,7 @@ FORCED = {"benchmark": True, "load_balance": "global-batch", **CLIPPED}
 REAL = {"benchmark": False, **CLIPPED}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "world,cases",
     [

@@ -103,6 +103,7 @@ def check_mesh(name: str) -> None:
         run_distributed(_check_mesh, world, mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["single", "ep2", "ep4", "pp2_ep2", "cp2_ep2"])
 def test_every_routing_on_every_cpu_mesh(mesh):
     check_mesh(mesh)

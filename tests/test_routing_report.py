@@ -73,6 +73,7 @@ def test_the_summary_holds_the_median_imbalance_only_where_a_trainer_printed_it(
     assert "expert_imbalance" not in summarize([{"step": 1, "step_time_s": 1.0}] * 2)
 
 
+@pytest.mark.slow
 def test_each_imbalance_is_a_group_with_requested_planned_and_measured(tmp_path):
     skew_sweep(tmp_path)
     report, text = compare.compare_sweep(tmp_path)

@@ -169,6 +169,7 @@ def test_balanced_tag_is_unchanged_and_others_are_named(mesh):
     assert composed(f"mesh={mesh}", "routing=real").tag == f"{cfg.tag}-real"
 
 
+@pytest.mark.slow
 def test_every_routing_knob_that_changes_the_run_changes_the_tag():
     """Arms of a sweep over any routing key must not share an arm directory or a comparison."""
     tags = [

@@ -5,8 +5,8 @@ The `slurm` tests need a reachable SLURM (slurmctld/slurmd/munge running) and th
 extra; without either they are skipped, saying how to get it. The tests never install packages
 or start daemons themselves: `.ci/setup_slurm.sh` (root) starts a single-node test cluster, and
 `.ci/run` runs it before the tests and stops it after.
-The A/B sweeps use the runner's small-trainer repositories (conftest.py) whose feature branch
-is slower per step, and are checked against the same sweep run locally: same layout, same
+The A/B sweeps use the small-trainer repositories of tests/helpers/repos.py, whose feature
+branch is slower per step, and are checked against the same sweep run locally: same layout, same
 records, same comparison.
 """
 
@@ -274,6 +274,7 @@ def test_launcher_slurm_failed_step_is_a_failed_arm(slurm_cluster, tmp_path):
     assert group["status"] == "incomplete"
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_submitit_sweep_matches_local(slurm_cluster, local_sweep, tmp_path):
     require_submitit_launcher()
@@ -293,6 +294,7 @@ def test_submitit_sweep_matches_local(slurm_cluster, local_sweep, tmp_path):
     assert "# moe_perf comparison" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_submitit_prerequisite_failure_submits_nothing(slurm_cluster, ab_repo):
     require_submitit_launcher()
@@ -339,6 +341,7 @@ def test_ci_runs_exactly_the_readme_setup_and_test_commands():
     ]
 
 
+@pytest.mark.slow
 def test_without_slurm_the_slurm_tests_skip_saying_how_to_start_a_cluster(tmp_path):
     bin_dir = tmp_path / "bin"  # git and python only: no sinfo/srun, no apt-get, no bash
     bin_dir.mkdir()

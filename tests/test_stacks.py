@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe_perf.trainer import stacks
@@ -93,6 +94,7 @@ def test_off_by_default():
     assert stacks.start(0, {}) is None
 
 
+@pytest.mark.slow
 def test_the_trainer_writes_its_stacks_and_the_summary_reads_them(tmp_path):
     cfg = write_config(tmp_path, training={"max_steps": 3}, trainer={"sample_stacks_ms": 2})
     proc, steps = run_trainer(["-m", "moe_perf.trainer", str(cfg)])

@@ -137,6 +137,7 @@ def test_fp8_on_cpu_is_a_clear_error(tmp_path, capsys):
     assert "dtype=fp8 needs a GPU" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_explain_steps_are_profiled_after_the_measured_ones(tmp_path):
     """trainer.explain_steps=2 after 2 measured steps: only the measured steps print contract
     lines; explain/ beside the config holds the Chrome trace (one ProfilerStep#i span per

@@ -2,7 +2,7 @@
 the verdict at the end of a sweep, the picture, a quiet console, the exit codes.
 
 The console tests run the real `python -m moe_perf` in temporary git repositories (the small
-trainer of conftest.py); the picture tests draw real PNGs from arm records.
+trainer of tests/helpers/small_trainer.py); the picture tests draw real PNGs from arm records.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ def documented_exit_codes(text: str) -> set[int]:
     return {int(code) for code in re.findall(r"^\s*\|?\s*`?(\d+)`?\s", section, re.M)[:5]}
 
 
+@pytest.mark.slow
 def test_help_says_what_moe_perf_does_with_examples_groups_outputs_and_exit_codes(tmp_path):
     result = run(tmp_path, "moe_perf", "--help")
     assert result.returncode == 0, result.stderr
@@ -69,6 +70,7 @@ def test_help_says_what_moe_perf_does_with_examples_groups_outputs_and_exit_code
     assert "explain=true" in text and "explain.png" in text
 
 
+@pytest.mark.slow
 def test_compare_help_has_examples_outputs_and_exit_codes(tmp_path):
     result = run(tmp_path, "moe_perf.compare", "--help")
     assert result.returncode == 0, result.stderr
@@ -111,6 +113,7 @@ def test_every_source_path_the_docs_name_exists():
     assert [f"{doc}: {path}" for doc, path in named if not (ROOT / path).exists()] == []
 
 
+@pytest.mark.slow
 def test_list_shows_every_preset_in_one_line(tmp_path):
     result = run(tmp_path, "moe_perf", "list")
     assert result.returncode == 0, result.stderr
@@ -126,6 +129,7 @@ def test_list_shows_every_preset_in_one_line(tmp_path):
     assert "ep8 world 8 pp1 cp1 ep8 dp8 GPU" in text
 
 
+@pytest.mark.slow
 def test_a_config_error_exits_1_and_a_prerequisite_error_exits_2(ab_repo):
     unknown = moe_perf(ab_repo, "model=no-such-model")
     assert unknown.returncode == 1, unknown.stderr
@@ -355,6 +359,7 @@ def test_lines_of_a_known_format_are_named():
     assert "that line reads as torchtitan's: trainer.log_format=torchtitan?" in warning
 
 
+@pytest.mark.slow
 def test_the_warning_comes_while_the_arm_runs(tmp_path):
     trainer = "import time\n" + "".join(f"print({line!r}, flush=True)\n" for line in OWN_LINES)
     trainer += "time.sleep(0.2)\nprint('the last line', flush=True)\n"
