@@ -143,6 +143,7 @@ def test_trace_ops_counts_cuda_calls_at_any_depth_and_children_once():
     assert [c["ts_ms"] for c in trace_ops.inside(trace, "cudnn_attention", step=0)] == [0.0]
 
 
+@pytest.mark.slow
 def test_bench_dispatch_checks_both_dispatches_agree_and_times_them():
     """bench/bench_dispatch.py on CPU, small and eager: both variants' results are checked
     equal before anything is timed, then each gets its median."""

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, make_repo, moe_perf
+from helpers.command import moe_perf
+from helpers.repos import commit, git, make_repo
 
 from moe_perf.runner.bisect import BisectError, next_probe, parse_args
 
@@ -68,6 +69,7 @@ def test_bisect_skips_a_commit_that_fails_to_run(tmp_path):
     assert "skipped" in result.stdout
 
 
+@pytest.mark.slow
 def test_bisect_refuses_what_it_cannot_bisect(tmp_path):
     repo = tmp_path / "repo"
     shas = history(repo)

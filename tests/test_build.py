@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN, commit, git, make_repo, moe_perf, processes_mentioning, sweep_dir
+from helpers.command import SMALL_RUN, moe_perf, processes_mentioning, sweep_dir
+from helpers.repos import commit, git, make_repo
 
 from moe_perf.launchers.failures import build_error
 from moe_perf.launchers.slurm import build_srun_argv
@@ -317,6 +318,7 @@ def test_ctrl_c_during_a_build_stops_it_and_removes_the_worktrees(tmp_path):
     assert_worktrees_gone(repo)
 
 
+@pytest.mark.slow
 def test_dry_run_shows_each_arms_build_and_builds_nothing(tmp_path):
     repo = make_ext_repo(tmp_path / "repo")
     result = moe_perf(repo, *SMALL_RUN, IN_PLACE, "dry_run=true", "-m", "arm=base,feat")
@@ -332,6 +334,7 @@ def test_dry_run_shows_each_arms_build_and_builds_nothing(tmp_path):
 # ---- the parts, in process -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_compilers_first_error_is_the_reason(tmp_path):
     source = tmp_path / "kernel.cpp"
     source.write_text("int f() { return missing_a; }\nint g() { return missing_b; }\n")

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+from helpers.pictures import png_pixels
 from omegaconf import OmegaConf
 
 from moe_perf.runner import callback
@@ -90,6 +92,7 @@ def run_sweep(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_multirun_prints_comparison_with_repeats(tmp_path):
     result = run_sweep(tmp_path, "arm=base,feat", "repeat=0,1")
     assert result.returncode == 0, result.stderr
@@ -102,7 +105,7 @@ def test_multirun_prints_comparison_with_repeats(tmp_path):
     sweep = tmp_path / "sweep"
     assert (sweep / "comparison.md").read_text() in out
     assert (sweep / "comparison.json").exists()
-    assert (sweep / "comparison.png").stat().st_size > 20_000
+    assert png_pixels(sweep / "comparison.png") == (1300, 380)  # one row: one (model, tag)
     listed = out.split("[moe_perf] files written:\n", 1)[1]
     assert listed.startswith(f"  {sweep}/  comparison.json comparison.md comparison.png")
     assert (
@@ -114,6 +117,7 @@ def test_multirun_prints_comparison_with_repeats(tmp_path):
     assert "DIFFERENT" in last and last.endswith("A/A run (one commit), so any difference is noise")
 
 
+@pytest.mark.slow
 def test_multirun_failed_arm_is_shown(tmp_path):
     result = run_sweep(tmp_path, "arm=base,feat", "fail_arm=feat")
     assert result.returncode == 3, result.stderr  # after the comparison is printed and written

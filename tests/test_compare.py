@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.pictures import drawn, png_pixels
 
 from moe_perf.common.contract import format_step
 from moe_perf.report import cli
 from moe_perf.report import comparison as compare
+from moe_perf.report.render import figure
 from moe_perf.runner import outputs
 
 TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
@@ -132,8 +134,12 @@ def test_sweep_feat_slower_table_and_files(tmp_path):
     assert compare.read_comparison(tmp_path / "comparison.json")["groups"][0]["verdict"]
     assert saved["groups"][0]["arms"]["base"]["step_time_s"]["median"] == pytest.approx(0.40)
     assert (tmp_path / "comparison.md").read_text() == text
-    png = (tmp_path / "comparison.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    assert png_pixels(tmp_path / "comparison.png") == (1300, 380)  # one row: one (model, tag)
+    steps, tokens, memory = (drawn(ax) for ax in figure(report).axes)
+    assert steps.lines["base r0"] == ([2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], [0.40] * 7)
+    assert steps.lines["feat r0"] == ([2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], [0.44] * 7)
+    assert tokens.title == "tokens/s (median of runs)\nfeat -9.09%"
+    assert tokens.xticklabels == memory.xticklabels == ["base", "feat"]
 
 
 def test_latest_sweep_only_and_previous_ignored(tmp_path):
@@ -193,7 +199,11 @@ def test_failed_arm_shows_reason_and_log(tmp_path):
     assert "| feat | failed |" in text
     assert f"- feat r0 FAILED: trainer exited 1: OOM; log: {feat / 'console.log'}" in text
     assert "No difference computed: no successful run of feat" in text
-    assert (tmp_path / "comparison.png").stat().st_size > 0  # base still plotted
+    steps, tokens, _ = (drawn(ax) for ax in figure(report).axes)  # base still plotted
+    assert steps.lines["base r0"][1] == [0.4] * 7
+    assert steps.lines["feat r0 FAILED (no steps)"] == ([], [])
+    assert tokens.texts[-1] == "failed" and len(tokens.bars) == 1
+    assert png_pixels(tmp_path / "comparison.png") == (1300, 380)
 
 
 def test_repeats_median_of_medians_and_spread(tmp_path):
@@ -256,6 +266,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_two_logs_same_numbers_as_sweep(tmp_path):
     base = write_arm(tmp_path / "sweep", "base", flat([0.40, 0.41, 0.39, 0.40, 0.42, 0.40, 0.40]))
     feat = write_arm(tmp_path / "sweep", "feat", flat([0.44, 0.45, 0.43, 0.44, 0.44, 0.46, 0.44]))
@@ -265,7 +276,7 @@ def test_cli_two_logs_same_numbers_as_sweep(tmp_path):
     logs = run_cli(str(base / "console.log"), str(feat / "console.log"), "--out", str(tmp_path))
     assert logs.returncode == 0, logs.stderr
     assert diff_row in logs.stdout
-    assert (tmp_path / "comparison.png").stat().st_size > 0
+    assert png_pixels(tmp_path / "comparison.png") == (1300, 380)  # the figure of one group
 
     records = run_cli(str(base / "metrics.json"), str(feat / "metrics.json"))
     assert records.returncode == 0, records.stderr
@@ -275,6 +286,7 @@ def test_cli_two_logs_same_numbers_as_sweep(tmp_path):
     assert sweep.returncode == 0 and sweep.stdout == sweep_text
 
 
+@pytest.mark.slow
 def test_cli_missing_file_is_a_message(tmp_path):
     result = run_cli(str(tmp_path / "nope.log"), str(tmp_path / "nope2.log"))
     assert result.returncode == 2

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import git, moe_perf, sweep_dir
-from test_e2e import assert_ok, copy_of_moe_perf
+from helpers.command import assert_ok, moe_perf, sweep_dir
+from helpers.repos import copy_of_moe_perf, git
 
 from moe_perf.frameworks import compile_cache
 
@@ -31,6 +31,7 @@ SMALL = ["dtype=bf16", "trainer.compile=true", "model.num_layers=1",
          "wandb.mode=disabled", "timeout_s=300", "compare.max_pairs=1"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_second_arm_loads_unchanged_graphs_and_recompiles_the_changed_one(tmp_path):
     repo = copy_of_moe_perf(tmp_path / "repo")
     model = repo / "moe_perf" / "trainer" / "model.py"
@@ -73,6 +74,7 @@ def test_the_second_arm_loads_unchanged_graphs_and_recompiles_the_changed_one(tm
     assert f"compile cache {cache}: FX graphs {f['fxgraph_cache_hit']} hit" in result.stdout
 
 
+@pytest.mark.slow
 def test_auto_is_one_directory_per_repository_shared_by_its_worktrees(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     repo = copy_of_moe_perf(tmp_path / "repo")
@@ -133,6 +135,7 @@ def _compiled_grad(tmp_path: Path, name: str, factor: float):
     return aot
 
 
+@pytest.mark.slow
 def test_a_graph_with_a_custom_autograd_function_is_cached_and_misses_when_its_backward_changes(
     tmp_path, monkeypatch
 ):
@@ -157,6 +160,7 @@ def test_a_graph_with_a_custom_autograd_function_is_cached_and_misses_when_its_b
     assert changed["miss"] > 0 and changed.get("hit", 0) == 0
 
 
+@pytest.mark.slow
 def test_bytecode_is_cached_for_the_arms_where_the_environment_forbids_it_beside_sources(
     tmp_path,
 ):
@@ -209,6 +213,7 @@ def _prefix_env(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(tmp_path / "pycache")}
 
 
+@pytest.mark.slow
 def test_a_many_core_hosts_first_arm_compiles_the_packages_bytecode_beside_it(tmp_path):
     """bytecode_compiled on a host of 8 cores or more (jinja2 here, a package torch imports,
     for speed): the pool compiles every module of it into the prefix while the arm runs, where

@@ -8,7 +8,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from helpers.compose import composed
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
@@ -23,11 +23,6 @@ GROUPS = ("model", "mesh", "dtype", "arm", "trainer", "launcher")
 
 def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
-
-
-def composed(*overrides: str, hydra_config: bool = False):
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=hydra_config)
 
 
 @pytest.mark.parametrize(
@@ -74,6 +69,7 @@ def test_defaults():
     assert cfg.tag == "pp1-dp1-cp1-ep1-seq512-fp32"
 
 
+@pytest.mark.slow
 def test_refs_feat_defaults_to_the_checked_out_branch(repo, monkeypatch):
     monkeypatch.chdir(repo)
     assert composed().refs.feat == "main"
@@ -143,6 +139,7 @@ def test_multirun_flag_may_follow_overrides():
     assert flags_first(["trainer.command=[-m,t]"]) == ["trainer.command=[-m,t]"]
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_tag():
     out = subprocess.run(
         [sys.executable, "-m", "moe_perf", "model=qwen3-30b-a3b", "mesh=pp2_ep8", "--cfg", "job",
@@ -162,6 +159,7 @@ def test_every_package_is_listed_in_pyproject():
     assert found | {"moe_perf.conf"} <= listed
 
 
+@pytest.mark.slow
 def test_a_built_wheel_carries_the_configs(tmp_path):
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
@@ -232,6 +230,7 @@ def run_command(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_the_command_prints_hydras_message_for_a_wrong_type(tmp_path):
     result = run_command(tmp_path, "model.num_experts=abc")
     assert result.returncode == 1
@@ -251,6 +250,7 @@ UNKNOWN_KEYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override", list(UNKNOWN_KEYS))
 def test_an_unknown_key_is_refused_through_the_real_command(tmp_path, override):
     """`+key=value` adds a key even to a typed section (Hydra force-adds): refused before the

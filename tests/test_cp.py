@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.distributed import run_distributed
+from helpers.mesh_equivalence import check_meshes
 
 from moe_perf.trainer.cp import (
     cp_attention,
@@ -19,8 +21,6 @@ from moe_perf.trainer.cp import (
     unshard_sequence,
     zigzag_positions,
 )
-from tests.distributed_util import run_distributed
-from tests.mesh_equivalence import check_meshes
 
 RTOL, ATOL = 1e-10, 1e-12
 
@@ -109,16 +109,18 @@ def _check_attention(rank: int, world_size: int) -> None:
                 )
 
 
+@pytest.mark.slow
 def test_cp_attention_matches_full_causal_attention():
     """cp=2 (two groups of two) and cp=4 in one 4-process run; GQA, a window, both paths."""
     run_distributed(_check_attention, 4)
 
 
 # ---------------------------------------------------------------------------------------------
-# The trainer's own path (parallelize + train step) on cp meshes: tests/mesh_equivalence.py
+# The trainer's own path (parallelize + train step) on cp meshes: tests/helpers/mesh_equivalence.py
 # (router top-k routing: forced balance numbers a rank's zig-zag tokens as one block).
 
 
+@pytest.mark.slow
 def test_trainer_cp2_matches_single_process():
     """cp2 (dp1): global-batch loss; sequence loss (counts all-reduced over the cp group)."""
     run_distributed(
@@ -131,6 +133,7 @@ def test_trainer_cp2_matches_single_process():
     )
 
 
+@pytest.mark.slow
 def test_trainer_cp2_ep2_matches_single_process():
     """cp2 x ep2 (dp2, the cp2_ep2 preset's mesh), global-batch loss."""
     run_distributed(check_meshes, 4, [dict(cp=2, ep=2, micro_batch=1, benchmark=False)])

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sys
 
-from conftest import SMALL_RUN, git, moe_perf, sweep_dir
+import pytest
+from helpers.command import SMALL_RUN, moe_perf, sweep_dir
+from helpers.repos import git
 
 from moe_perf.runner.outputs import GITIGNORE_HEADER
 
 
+@pytest.mark.slow
 def test_dry_run_prints_both_arms_and_launches_nothing(ab_repo):
     shas = {"base": git(ab_repo, "rev-parse", "main"), "feat": git(ab_repo, "rev-parse", "feature")}
     result = moe_perf(ab_repo, *SMALL_RUN, "dry_run=true", "-m", "arm=base,feat")
@@ -31,6 +34,7 @@ def test_dry_run_prints_both_arms_and_launches_nothing(ab_repo):
     assert git(ab_repo, "status", "--porcelain") == ""
 
 
+@pytest.mark.slow
 def test_dry_run_still_refuses_what_a_real_run_refuses(ab_repo):
     result = moe_perf(ab_repo, *SMALL_RUN, "dry_run=true", "training.sequence_length=63",
                       "-m", "arm=base,feat")  # fmt: skip
@@ -65,6 +69,7 @@ def snapshot(root) -> dict[str, bytes]:
             for p in sorted(root.rglob("*"))}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_a_dry_run_after_a_sweep_writes_nothing_and_moves_nothing(ab_repo):
     before = earlier_sweep(ab_repo)
     result = moe_perf(ab_repo, *SMALL_RUN, "dry_run=true", "-m", "arm=base,feat")

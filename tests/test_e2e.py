@@ -14,16 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
-    SMALL_RUN,
-    git,
-    make_ab_repo,
-    make_repo,
-    moe_perf,
-    processes_mentioning,
-    sweep_dir,
-    trainer_variant,
-)
+from helpers.command import SMALL_RUN, assert_ok, moe_perf, processes_mentioning, sweep_dir
+from helpers.repos import copy_of_moe_perf, git, make_ab_repo, make_repo, trainer_files
 
 from moe_perf.runner import git as gitops
 
@@ -38,10 +30,6 @@ def record(arm_dir: Path) -> dict:
 
 def comparison(repo: Path) -> dict:
     return json.loads((sweep_dir(repo) / "comparison.json").read_text())
-
-
-def assert_ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def assert_repo_untouched(repo: Path) -> None:
@@ -148,7 +136,7 @@ def test_single_run_and_earlier_runs_are_kept(ab_repo):
 
 
 def test_failed_arms_are_recorded_and_the_sweep_goes_on(tmp_path):
-    crash, hang = trainer_variant(exit_after_step=2), trainer_variant(sleep_s=600)
+    crash, hang = trainer_files(exit_after_step=2), trainer_files(sleep_s=600)
     repo = make_ab_repo(tmp_path / "repo", base=crash, feat=hang)
     result = moe_perf(repo, *SMALL_RUN, "timeout_s=10", "launcher.kill_grace_s=2", "-m",
                       "arm=base,feat")  # fmt: skip
@@ -179,7 +167,7 @@ def test_arms_with_different_configs_are_refused(ab_repo):
 
 
 def test_ctrl_c_stops_everything(tmp_path):
-    sleepy, sleepier = trainer_variant(sleep_s=300), trainer_variant(sleep_s=301)
+    sleepy, sleepier = trainer_files(sleep_s=300), trainer_files(sleep_s=301)
     repo = make_ab_repo(tmp_path / "repo", base=sleepy, feat=sleepier)
     proc = subprocess.Popen(
         [sys.executable, "-m", "moe_perf", *SMALL_RUN, "-m", "arm=base,feat"],
@@ -205,14 +193,6 @@ def test_ctrl_c_stops_everything(tmp_path):
     assert_repo_untouched(repo)
     assert record(log.parent)["failure"].startswith("interrupted")
     assert not (sweep_dir(repo) / "tiny" / f"{TAG}-feat").exists()  # the sweep stopped
-
-
-def copy_of_moe_perf(path: Path) -> Path:
-    """A repository holding this project's package (runner and reference trainer)."""
-    sources = [p for p in (ROOT / "moe_perf").rglob("*.py") if "__pycache__" not in p.parts]
-    files = {str(p.relative_to(ROOT)): p.read_text() for p in sources}
-    files[".gitignore"] = "__pycache__/\n"
-    return make_repo(path, files)
 
 
 PLANT_AT = "def bench_hook() -> None:\n"  # train.py's plant point, called in every timed step
@@ -245,8 +225,12 @@ def test_reference_trainer_runs_each_arms_own_code(tmp_path):
 
 def test_a_repository_without_the_trainer_says_both_arms_run_the_same_code(tmp_path):
     repo = make_repo(tmp_path / "repo")
-    small = ["training.sequence_length=64", "training.global_batch=4", "training.max_steps=2",
-             "compare.max_pairs=1"]
+    small = [
+        "training.sequence_length=64",
+        "training.global_batch=4",
+        "training.max_steps=2",
+        "compare.max_pairs=1",
+    ]
     result = moe_perf(repo, *small, "wandb.mode=disabled", "-m", "arm=base,feat")
     assert_ok(result)
     assert "A/A run" in result.stdout

@@ -13,7 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, make_repo, moe_perf, sweep_dir
+from helpers.command import moe_perf, sweep_dir
+from helpers.repos import commit, git, make_repo
 
 from moe_perf.launchers.base import free_port
 from moe_perf.launchers.process import trainer_env

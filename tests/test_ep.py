@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.distributed import run_distributed
 
 from moe_perf.trainer.dispatch import AllToAllDispatcher
 from moe_perf.trainer.ep import shard_experts_
-from tests.distributed_util import run_distributed
 
 RTOL, ATOL = 1e-10, 1e-12
 E, K, D, FF = 8, 2, 12, 6
@@ -106,6 +106,7 @@ def _check_dispatcher(rank: int, world_size: int, ep: int) -> None:
     assert tokens_per_expert.tolist() == counts[lo:hi].tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,ep", [(4, 2), (4, 4)])
 def test_all_to_all_dispatcher_matches_reference(world_size, ep):
     run_distributed(_check_dispatcher, world_size, ep)

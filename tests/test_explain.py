@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import git, make_repo, moe_perf
+from helpers.command import moe_perf
+from helpers.repos import git, make_repo
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe_perf.report import explain
@@ -157,6 +158,7 @@ def test_categorize_cpu_op_chains(chain, in_experts, key):
     assert explain.categorize(chain, in_experts) == key
 
 
+@pytest.mark.slow
 def test_a_planted_elementwise_pass_is_that_category(tmp_path):
     # 1200 passes, about 150 ms a step here: 600 (75 ms) was once inside the noise of a run
     # with two descheduled steps of five under another worker's load. The noise is the widest
@@ -293,6 +295,7 @@ def external_cfg(trainer: str, max_steps: int = 8, explain_on: bool = True):
     })  # fmt: skip
 
 
+@pytest.mark.slow
 def test_torchtitan_profiles_its_last_measured_steps_into_the_arm_dir(tmp_path):
     from moe_perf.frameworks.torchtitan import profiling_flags
 

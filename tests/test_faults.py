@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, make_repo, moe_perf, sweep_dir
+from helpers.command import moe_perf, sweep_dir
+from helpers.repos import commit, git, make_repo
 
 pytestmark = pytest.mark.slow
 

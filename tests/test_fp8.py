@@ -6,7 +6,8 @@ import importlib.util
 import shutil
 
 import pytest
-from conftest import SMALL_RUN, git, moe_perf, sweep_dir
+from helpers.command import SMALL_RUN, moe_perf, sweep_dir
+from helpers.repos import git
 
 pytestmark = pytest.mark.skipif(
     shutil.which("nvidia-smi") is not None,
@@ -27,6 +28,7 @@ def assert_refused_before_launch(result, repo, message: str) -> None:
     assert len(git(repo, "worktree", "list").splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_fp8_without_an_fp8_gpu_is_refused_before_launch(ab_repo):
     # a contract trainer brings its own fp8: only the device is checked
     result = moe_perf(ab_repo, *SMALL_RUN, "dtype=fp8", "-m", "arm=base,feat")
@@ -34,6 +36,7 @@ def test_fp8_without_an_fp8_gpu_is_refused_before_launch(ab_repo):
     assert "no GPU (nvidia-smi)" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is not None, reason="torchao is installed")
 @pytest.mark.parametrize(
     "switch", [[], ["trainer.fp8_master_weights=true"]], ids=["plain", "masters"]
@@ -45,6 +48,7 @@ def test_fp8_of_the_reference_trainer_without_torchao_names_it(ab_repo, switch):
     assert_refused_before_launch(result, ab_repo, "dtype=fp8 needs torchao")
 
 
+@pytest.mark.slow
 def test_fp8_on_cpu_is_refused(ab_repo):
     result = moe_perf(
         ab_repo, *SMALL_RUN, "dtype=fp8", "training.device=cpu", "-m", "arm=base,feat"
@@ -52,6 +56,7 @@ def test_fp8_on_cpu_is_refused(ab_repo):
     assert_refused_before_launch(result, ab_repo, "dtype=fp8 runs on GPUs only")
 
 
+@pytest.mark.slow
 def test_fp8_dry_run_previews_with_a_warning(ab_repo):
     result = moe_perf(ab_repo, *SMALL_RUN, "dtype=fp8", "dry_run=true", "-m", "arm=base,feat")
     assert result.returncode == 0, result.stderr[-2000:]

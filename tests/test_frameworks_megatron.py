@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from helpers.compose import composed as compose_config
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks import compile_cache
@@ -29,8 +29,8 @@ MESHES = sorted(p.stem for p in (ROOT / "conf" / "mesh").glob("*.yaml"))
 
 
 def composed(*overrides: str):
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=["trainer=megatron", *overrides])
+    """The config with trainer=megatron; `overrides` come after, as on a command line."""
+    return compose_config("trainer=megatron", *overrides)
 
 
 def megatron_arguments():
@@ -144,6 +144,7 @@ def test_mesh_shapes_fp8_and_extra_args():
     assert compile_cache.under(mine, Path("wt"), launch.env)["TORCHINDUCTOR_CACHE_DIR"] == "/mine"
 
 
+@pytest.mark.slow
 def test_check_needs_a_megatron_lm_checkout(tmp_path):
     repo = tmp_path / "repo"
     (repo / "megatron/training").mkdir(parents=True)
@@ -179,6 +180,7 @@ def test_local_layers_turn_persist_layer_norm_off():
     assert "--no-persist-layer-norm" not in te
 
 
+@pytest.mark.slow
 def test_no_dropout_as_in_the_presets_and_the_reference_trainer():
     """Megatron's defaults drop 10% of attention probabilities and hidden states (Megatron-LM
     d98e8a6 printed attention_dropout 0.1, hidden_dropout 0.1 for the command without these)."""

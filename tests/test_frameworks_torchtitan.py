@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from helpers.compose import composed as compose_config
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.armcode import ArmCode
@@ -36,8 +36,8 @@ MESHES = sorted(p.stem for p in (ROOT / "conf" / "mesh").glob("*.yaml"))
 
 
 def composed(*overrides: str):
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=["trainer=torchtitan", *overrides])
+    """The config with trainer=torchtitan; `overrides` come after, as on a command line."""
+    return compose_config("trainer=torchtitan", *overrides)
 
 
 def installed_torchtitan() -> tuple[Path, str] | None:
@@ -83,6 +83,7 @@ def parse_with_torchtitan(args: list[str]):
     return ConfigManager().parse_args(list(args))
 
 
+@pytest.mark.slow
 @needs_torchtitan
 @pytest.mark.parametrize("mesh", MESHES)
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -203,6 +204,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not TITAN_03,
     reason="MOE_PERF_TORCHTITAN_03 is not set: point it (a PYTHONPATH) at torchtitan 0.3.0 and "
@@ -268,6 +270,7 @@ def check(repo: Path, *overrides: str) -> None:
     TorchTitan().check(composed("refs.base=main", "refs.feat=main", *overrides), repo)
 
 
+@pytest.mark.slow
 def test_check_passes_on_a_torchtitan_checkout(titan_repo):
     check(titan_repo, "model=qwen3-30b-a3b", "mesh=ep8", "model.num_layers=4")
     check(titan_repo, "model=deepseek-v2-lite", "mesh=pp2_ep8")  # deepseek_v3 pipelines in 0.2
@@ -292,6 +295,7 @@ def test_check_names_the_setting_to_change(titan_repo, overrides, message):
         check(titan_repo, *overrides)
 
 
+@pytest.mark.slow
 def test_check_reads_the_arms_commit_not_the_checkout(titan_repo):
     """The feat branch lost its tokenizer: its arm is refused, though main still has it."""
 
@@ -324,6 +328,7 @@ def test_trainer_torchtitan_and_megatron_are_registered():
     assert isinstance(frameworks.get(composed("trainer=megatron")), Megatron)
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_exact_command_from_the_arms_worktree(
     titan_repo, tmp_path, capsys, monkeypatch
 ):
@@ -414,6 +419,7 @@ def test_skew_runs_our_entry_and_torchtitans_router_sends_by_the_plan(tmp_path, 
     assert torch.equal(top_scores, scores_TE.gather(1, ids))  # the router's real scores
 
 
+@pytest.mark.slow
 def test_skew_needs_the_forced_routing_method_in_the_arms_torchtitan(titan_repo):
     check(titan_repo, "model=qwen3-30b-a3b", "routing=skew")
     moe_py = titan_repo / "torchtitan/models/moe/moe.py"

@@ -8,7 +8,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, make_ab_repo, moe_perf, write
+from helpers.command import moe_perf
+from helpers.repos import commit, git, make_ab_repo, write
 
 from moe_perf.runner import git as gitops
 from moe_perf.runner.session import trainer_code_note
@@ -119,6 +120,7 @@ def hold_lock(repo: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow
 def test_lock_second_sweep_fails_fast_and_lock_dies_with_its_process(repo):
     holder = hold_lock(repo)
     try:
@@ -134,6 +136,7 @@ def test_lock_second_sweep_fails_fast_and_lock_dies_with_its_process(repo):
     lock.release()
 
 
+@pytest.mark.slow
 def test_the_command_refuses_to_overlap_a_running_sweep(repo):
     holder = hold_lock(repo)
     try:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from helpers.compose import composed
 
 from moe_perf.runner import schema
 
@@ -46,17 +46,18 @@ def values_after(argv: list[str], flag: str) -> list[str]:
 
 
 def assert_composes(overrides: list[str]) -> None:
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = composed(*overrides)
     assert schema.unknown_keys(cfg) == [] and schema.out_of_range(cfg) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [[], ["out", "--bogus"], ["--dry-run"], ["a", "b", "c"]])
 def test_bad_arguments_give_the_usage_and_exit_2(args):
     result = script(*args)
     assert result.returncode == 2 and "usage: bash bench/gpu_time_to_decision.sh" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_directory_that_holds_results_is_refused_untouched(tmp_path):
     (tmp_path / "summary.md").write_text("earlier figures\n")
     result = script(str(tmp_path))
@@ -64,6 +65,7 @@ def test_a_directory_that_holds_results_is_refused_untouched(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["summary.md"]
 
 
+@pytest.mark.slow
 def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
     result = script(str(out), "--dry-run", BUDGET_S="1")

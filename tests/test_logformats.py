@@ -441,6 +441,7 @@ def titan_log(path: Path, seconds_per_step: float) -> Path:
     return write(path, [titan(k, 8192, second=1 + seconds_per_step * k) for k in range(1, 9)])
 
 
+@pytest.mark.slow
 def test_cli_titan_logs_without_hints_use_timestamps_and_say_so(tmp_path):
     base = titan_log(tmp_path / "base.log", 0.5)
     feat = titan_log(tmp_path / "feat.log", 0.55)
@@ -450,6 +451,7 @@ def test_cli_titan_logs_without_hints_use_timestamps_and_say_so(tmp_path):
     assert "+10.00% (slower)" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_titan_logs_with_the_shape(tmp_path):
     base = write(tmp_path / "base.log", [titan(k, 8000, second=k) for k in range(1, 9)])
     feat = write(tmp_path / "feat.log", [titan(k, 7200, second=k) for k in range(1, 9)])
@@ -460,6 +462,7 @@ def test_cli_titan_logs_with_the_shape(tmp_path):
     assert "| +11.11% (slower) | -10.00% (slower) |" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_megatron_logs(tmp_path):
     def log(ms: float) -> list[str]:
         return [megatron(1, 9000.0), megatron_memory(0, 46080.0)] + [
@@ -474,6 +477,7 @@ def test_cli_megatron_logs(tmp_path):
     assert "| +5.00% (slower) | -4.76% (slower) | +0.00% (same) |" in result.stdout
 
 
+@pytest.mark.slow
 def test_cli_refuses_logs_of_two_formats(tmp_path):
     base = titan_log(tmp_path / "base.log", 0.5)
     feat = write(tmp_path / "feat.log", [megatron(k, 500.0) for k in range(1, 9)])

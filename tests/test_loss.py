@@ -60,6 +60,7 @@ def interpreted_checks() -> None:
     print("interpreted checks passed")
 
 
+@pytest.mark.slow
 def test_interpreted_kernels_give_torchs_loss_and_gradient():
     code = "import test_loss; test_loss.interpreted_checks()"
     path = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
@@ -99,6 +100,7 @@ print(json.dumps(runtime.triton_compiles.summary()))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_startup_counts_the_triton_kernels_the_trainer_compiles_and_those_it_loads(tmp_path):

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import moe_perf
-from hydra import compose, initialize_config_module
+from helpers.command import moe_perf
+from helpers.compose import composed
 from omegaconf import OmegaConf
 
 from moe_perf.common import contract, memory
@@ -50,6 +50,7 @@ def trainer_config(model: dict, training: dict) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: compute copies over fp32 masters
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_estimate_matches_the_measured_peak_on_cpu(tmp_path, case, dtype):
@@ -86,6 +87,7 @@ def host_ram_gib() -> float:
     return int(line.split()[1]) / 2**20
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(host_ram_gib() > 400, reason="a host with RAM for the 30B model")
 def test_a_model_that_cannot_fit_is_refused_with_what_would(repo):
     result = moe_perf(repo, "model=qwen3-30b-a3b", "mesh=single", "training.device=cpu",
@@ -98,6 +100,7 @@ def test_a_model_that_cannot_fit_is_refused_with_what_would(repo):
     assert not (repo / "outputs" / "validate-performance").exists()
 
 
+@pytest.mark.slow
 def test_the_overrides_that_would_fit_are_named(repo):
     result = moe_perf(repo, "model=gpt-oss-120b", "model.num_layers=4",
                       "mesh.device_memory_gib=139", "wandb.mode=disabled")  # fmt: skip
@@ -217,12 +220,9 @@ def test_the_compiled_estimate_is_what_a_compiled_block_saves():
 
 def skewed(*overrides: str):
     """qwen3-30b-a3b cut to 4 layers on ep8, one rank's view, Zipf-skewed routing."""
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=[
-            "model=qwen3-30b-a3b", "model.num_layers=4", "mesh=ep8", "training.micro_batch=4",
-            "training.device=cuda", "routing=skew", "routing.shape=zipf", *overrides])  # fmt: skip
+    return composed("model=qwen3-30b-a3b", "model.num_layers=4", "mesh=ep8",
+                    "training.micro_batch=4", "training.device=cuda", "routing=skew",
+                    "routing.shape=zipf", *overrides)  # fmt: skip
 
 
 def estimate_of(cfg) -> memory.MemoryEstimate:
@@ -233,6 +233,7 @@ def estimate_of(cfg) -> memory.MemoryEstimate:
     return memory.estimate(config_from_dict(sections), "cuda")
 
 
+@pytest.mark.slow
 def test_skew_loads_the_busiest_ep_ranks_activations_only():
     """The experts' side of every MoE layer grows by the busiest EP rank's share of the slots
     (the plan's rank imbalance); weights, the tokens' side and one-rank meshes do not move."""
@@ -262,6 +263,7 @@ def test_a_skew_that_cannot_fit_is_refused_with_the_imbalance_that_would():
     preflight.check_memory(skewed("routing.imbalance=2", f"mesh.device_memory_gib={fits_at_2}"))
 
 
+@pytest.mark.slow
 def test_another_trainers_memory_is_not_estimated_and_that_is_said(ab_repo):
     gpu_preset = ["model=qwen3-30b-a3b", "mesh=ep8", "mesh.device_memory_gib=80",
                   "wandb.mode=disabled", "dry_run=true"]  # fmt: skip
@@ -282,9 +284,7 @@ def test_the_readme_says_what_hardware_its_headline_command_needs():
     command = readme.split("```\n", 2)[1].splitlines()[0]
     assert command == "python -m moe_perf model=qwen3-30b-a3b mesh=ep8 -m arm=base,feat"
     overrides = [word for word in command.split() if "=" in word and "," not in word]
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
-        checkpointed = compose("config", overrides=[*overrides, CHECKPOINTING])
+    cfg, checkpointed = composed(*overrides), composed(*overrides, CHECKPOINTING)
     needs = [memory.estimate(trainer_sections(c), "cuda").gib() for c in (cfg, checkpointed)]
     headline = readme.split(command, 1)[1].split("\n\n", 2)[1]
     assert f"{needs[0]:.1f} GiB per GPU" in headline, headline

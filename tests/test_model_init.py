@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from helpers.distributed import run_distributed
 
 from moe_perf.common.config import ModelConfig, config_from_dict
 from moe_perf.common.mesh import MeshDims
@@ -34,7 +35,6 @@ from moe_perf.trainer.moe import moe_layers
 from moe_perf.trainer.parallelize import init_parallel
 from moe_perf.trainer.pp import split_model
 from moe_perf.trainer.train import distribute
-from tests.distributed_util import run_distributed
 
 TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"
 SEED = 11
@@ -288,6 +288,7 @@ def _has_peak_rss() -> bool:
     return status.exists() and "VmHWM:" in status.read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _has_peak_rss(), reason="needs Linux /proc/self/status (VmHWM)")
 @pytest.mark.parametrize("pp_,ep", [(1, 4), (2, 2)], ids=["ep4", "pp2-ep2"])
 def test_no_rank_ever_holds_the_full_model(pp_, ep):

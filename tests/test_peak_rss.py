@@ -1,6 +1,6 @@
 """A CPU trainer's peak memory is its own: launched by a runner that holds a large allocation,
-the test trainer (conftest.py) and the reference trainer report what they hold themselves, not
-the runner's peak that ru_maxrss carries over fork and exec.
+the test trainer (tests/helpers/small_trainer.py) and the reference trainer report what they
+hold themselves, not the runner's peak that ru_maxrss carries over fork and exec.
 
 The chain is real: a Python process touches BALLAST_MIB of memory, then starts the trainer with
 the runner's own launch code (launchers/process.run_trainer), which parses its step lines.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SMALL_TRAINER
+from helpers.repos import SMALL_TRAINER
 
 from moe_perf.common.peak_rss import peak_rss_gib
 
@@ -52,6 +52,7 @@ def launched_by_a_large_runner(tmp_path: Path, argv: list[str]) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_the_test_trainer_reports_its_own_peak_not_its_runners(tmp_path):
     (tmp_path / "mytrainer").mkdir()
     (tmp_path / "mytrainer" / "__main__.py").write_text(SMALL_TRAINER)
@@ -65,6 +66,7 @@ def test_the_test_trainer_reports_its_own_peak_not_its_runners(tmp_path):
     assert max(out["peaks"]) < 0.25 * out["runner_gib"], out
 
 
+@pytest.mark.slow
 def test_the_reference_trainers_cpu_peak_is_its_own(tmp_path):
     step = textwrap.dedent(
         """

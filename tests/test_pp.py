@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
+from helpers.distributed import run_distributed
+from helpers.mesh_equivalence import check_meshes
 
 from moe_perf.common.config import ConfigError, ModelConfig
 from moe_perf.common.mesh import MeshError, check_microbatches
@@ -30,8 +32,6 @@ from moe_perf.trainer.pp import (
     split_model,
     stage_layers,
 )
-from tests.distributed_util import run_distributed
-from tests.mesh_equivalence import check_meshes
 
 RTOL, ATOL = 1e-9, 1e-12
 SEQ, LOCAL_BATCH = 16, 4  # micro_batch 1: 4 microbatches
@@ -173,6 +173,7 @@ def _check_pp2(rank: int, world_size: int) -> None:
         _compare_grads(modules, ref_grads)
 
 
+@pytest.mark.slow
 def test_pp2_schedules_match_single_process():
     """1F1B, GPipe and Interleaved1F1B (2 virtual stages) with forced balance and aux losses."""
     run_distributed(_check_pp2, 2)
@@ -212,15 +213,17 @@ def _check_pp2_cp2(rank: int, world_size: int) -> None:
     _compare_grads(modules, ref_grads, average_group=cp_group)
 
 
+@pytest.mark.slow
 def test_pp2_cp2_matches_single_process():
     """Pipeline stages in context-parallel mode: RoPE positions reach every stage."""
     run_distributed(_check_pp2_cp2, 4)
 
 
 # ---------------------------------------------------------------------------------------------
-# The trainer's own path (parallelize + train step) on pp meshes: tests/mesh_equivalence.py
+# The trainer's own path (parallelize + train step) on pp meshes: tests/helpers/mesh_equivalence.py
 
 
+@pytest.mark.slow
 def test_trainer_pp2_matches_single_process():
     """pp2 (dp1): forced balance + global-batch loss; the same with activation checkpointing
     (1F1B recomputes a micro-batch's routing after later forwards; 6 experts so that forced
@@ -236,6 +239,7 @@ def test_trainer_pp2_matches_single_process():
     )
 
 
+@pytest.mark.slow
 def test_trainer_pp2_ep2_matches_single_process():
     """pp2 x ep2 (dp2, the pp2_ep2 preset's mesh), forced balance, global-batch loss."""
     run_distributed(check_meshes, 4, [dict(pp_=2, ep=2, micro_batch=1)])

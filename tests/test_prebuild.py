@@ -90,6 +90,7 @@ print(json.dumps({"step": seen, "unaligned": runtime.triton_compiles.summary()})
 """
 
 
+@pytest.mark.slow
 def test_a_steps_launches_find_what_the_helper_compiled_and_an_unforeseen_one_compiles(tmp_path):
     cache = tmp_path / "triton"
     launches = cpu_step_launches()
@@ -116,6 +117,7 @@ def test_describe_gives_what_triton_specializes_on():
     assert [prebuild.describe(a) for a in (4097, -100, 0.9, True)] == [4097, -100, 0.9, True]
 
 
+@pytest.mark.slow
 def test_a_launch_the_helper_cannot_compile_is_named_and_the_others_compile(tmp_path):
     cache = tmp_path / "triton"
     launches = loss.prebuild_launches(VOCAB, torch.bfloat16)
@@ -168,6 +170,7 @@ print(json.dumps(runtime.triton_compiles.summary()))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_a_steps_launches_load_what_the_helper_compiled(tmp_path):
@@ -176,6 +179,7 @@ def test_gpu_a_steps_launches_load_what_the_helper_compiled(tmp_path):
     assert counts["loaded_from_cache"] >= 6
 
 
+@pytest.mark.slow
 def test_triton_key_is_hashed_by_a_thread_before_the_first_compile_needs_it():
     """runtime.hash_triton_in_background: a thread fills Triton's lru-cached version key, so
     the first compile's cache keys (inductor's, AOTAutograd's) find it instead of hashing

@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from test_train_single import write_config
+from helpers.trainer_run import write_config
 from torch import nn
 
 from moe_perf.common.config import load_config

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers.distributed import run_distributed
 
 from moe_perf.common.config import config_from_dict, skew_plan_of
 from moe_perf.trainer import train
-from tests.distributed_util import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ, GLOBAL_BATCH, MICRO_BATCH = 32, 8, 2
@@ -103,6 +103,7 @@ def check_mesh(name: str) -> None:
         run_distributed(_check_mesh, world, mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["single", "ep2", "ep4", "pp2_ep2", "cp2_ep2"])
 def test_every_routing_on_every_cpu_mesh(mesh):
     check_mesh(mesh)

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import make_repo, moe_perf, sweep_dir
+from helpers.command import moe_perf, sweep_dir
+from helpers.repos import make_repo
 
 from moe_perf.common.contract import format_step
 from moe_perf.common.routing import skew_plan
@@ -72,6 +73,7 @@ def test_the_summary_holds_the_median_imbalance_only_where_a_trainer_printed_it(
     assert "expert_imbalance" not in summarize([{"step": 1, "step_time_s": 1.0}] * 2)
 
 
+@pytest.mark.slow
 def test_each_imbalance_is_a_group_with_requested_planned_and_measured(tmp_path):
     skew_sweep(tmp_path)
     report, text = compare.compare_sweep(tmp_path)

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
+from helpers.compose import composed
 
 from moe_perf.common.config import ConfigError, config_from_dict
 from moe_perf.common.errors import PrerequisiteError
@@ -29,11 +29,6 @@ REQUESTS = [  # (imbalance, shape, hot_experts, hot_ranks as a fraction of ep: 1
     (1.5, "zipf", 1, "one"),
     (3.0, "zipf", 1, "all"),
 ]
-
-
-def composed(*overrides: str):
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
 
 
 def plan_of(E, K, T, ep, imbalance, shape, hot_experts, ranks):
@@ -174,6 +169,7 @@ def test_balanced_tag_is_unchanged_and_others_are_named(mesh):
     assert composed(f"mesh={mesh}", "routing=real").tag == f"{cfg.tag}-real"
 
 
+@pytest.mark.slow
 def test_every_routing_knob_that_changes_the_run_changes_the_tag():
     """Arms of a sweep over any routing key must not share an arm directory or a comparison."""
     tags = [

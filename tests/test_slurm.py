@@ -5,8 +5,8 @@ The `slurm` tests need a reachable SLURM (slurmctld/slurmd/munge running) and th
 extra; without either they are skipped, saying how to get it. The tests never install packages
 or start daemons themselves: `.ci/setup_slurm.sh` (root) starts a single-node test cluster, and
 `.ci/run` runs it before the tests and stops it after.
-The A/B sweeps use the runner's small-trainer repositories (conftest.py) whose feature branch
-is slower per step, and are checked against the same sweep run locally: same layout, same
+The A/B sweeps use the small-trainer repositories of tests/helpers/repos.py, whose feature
+branch is slower per step, and are checked against the same sweep run locally: same layout, same
 records, same comparison.
 """
 
@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN, git, make_ab_repo, moe_perf, sweep_dir, trainer_variant
+from helpers.command import SMALL_RUN, moe_perf, sweep_dir
+from helpers.repos import git, make_ab_repo, trainer_files
 
 from moe_perf.launchers import slurm
 
@@ -259,7 +260,7 @@ def test_launcher_slurm_sweep_matches_local(slurm_cluster, local_sweep, tmp_path
 
 @pytest.mark.slurm
 def test_launcher_slurm_failed_step_is_a_failed_arm(slurm_cluster, tmp_path):
-    repo = make_ab_repo(tmp_path / "repo", base=trainer_variant(exit_after_step=2))
+    repo = make_ab_repo(tmp_path / "repo", base=trainer_files(exit_after_step=2))
     result = in_allocation("salloc", repo, *AB[:-2], "launcher=slurm", *AB[-2:])
     # the sweep goes on past a failed arm, compares, then exits 3 (an arm failed)
     assert result.returncode == 3, result.stdout[-4000:] + result.stderr[-4000:]
@@ -273,6 +274,7 @@ def test_launcher_slurm_failed_step_is_a_failed_arm(slurm_cluster, tmp_path):
     assert group["status"] == "incomplete"
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_submitit_sweep_matches_local(slurm_cluster, local_sweep, tmp_path):
     require_submitit_launcher()
@@ -292,6 +294,7 @@ def test_submitit_sweep_matches_local(slurm_cluster, local_sweep, tmp_path):
     assert "# moe_perf comparison" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_submitit_prerequisite_failure_submits_nothing(slurm_cluster, ab_repo):
     require_submitit_launcher()
@@ -338,6 +341,7 @@ def test_ci_runs_exactly_the_readme_setup_and_test_commands():
     ]
 
 
+@pytest.mark.slow
 def test_without_slurm_the_slurm_tests_skip_saying_how_to_start_a_cluster(tmp_path):
     bin_dir = tmp_path / "bin"  # git and python only: no sinfo/srun, no apt-get, no bash
     bin_dir.mkdir()

@@ -10,16 +10,16 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from moe_perf.trainer import stacks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "tests"))
 
 import stacks_summary  # noqa: E402
-from test_train_single import run_trainer, write_config  # noqa: E402
+from helpers.trainer_run import run_trainer, write_config  # noqa: E402
 
 HERE = "test_stacks.py"  # a file outside a package: its name alone
 
@@ -94,6 +94,7 @@ def test_off_by_default():
     assert stacks.start(0, {}) is None
 
 
+@pytest.mark.slow
 def test_the_trainer_writes_its_stacks_and_the_summary_reads_them(tmp_path):
     cfg = write_config(tmp_path, training={"max_steps": 3}, trainer={"sample_stacks_ms": 2})
     proc, steps = run_trainer(["-m", "moe_perf.trainer", str(cfg)])

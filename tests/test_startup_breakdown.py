@@ -45,6 +45,7 @@ def test_sampled_imports_and_joins_go_to_their_categories(tmp_path, monkeypatch)
     assert "imports" not in parts["since process_group"]
 
 
+@pytest.mark.slow
 def test_the_import_tree_of_a_real_interpreter(tmp_path):
     (tmp_path / "slow_module_y.py").write_text(SLOW_IMPORT.format(s=0.1))
     proc = subprocess.run(

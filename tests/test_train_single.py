@@ -4,52 +4,15 @@ torchrun), their contract lines, exit codes and error messages."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from helpers.trainer_run import run_trainer, write_config
 
 from moe_perf.common import contract
 from moe_perf.trainer.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_config(tmp_path: Path, **sections) -> Path:
-    cfg = {
-        "model": yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text()),
-        "mesh": {"nnodes": 1, "nproc_per_node": 1, "pp": 1, "cp": 1, "ep": 1},
-        "dtype": {"name": "fp32", "fp8": False},
-        "training": {
-            "sequence_length": 64,
-            "global_batch": 4,
-            "micro_batch": 1,
-            "max_steps": 3,
-            "seed": 5,
-            "lr": 1e-3,
-            "device": "cpu",
-        },
-        "data": {"corpus": None, "root": str(tmp_path / "datasets")},
-        "trainer": yaml.safe_load((ROOT / "conf" / "trainer" / "reference.yaml").read_text()),
-        "wandb": {"mode": "disabled"},  # sections the trainer does not read are ignored
-    }
-    for section, values in sections.items():
-        cfg[section].update(values)
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def run_trainer(args: list[str]) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=120
-    )
-    steps = [s for s in map(contract.parse_step, proc.stdout.splitlines()) if s]
-    return proc, steps
 
 
 def check_lines(proc, steps, max_steps: int, world: int) -> None:
@@ -174,6 +137,7 @@ def test_fp8_on_cpu_is_a_clear_error(tmp_path, capsys):
     assert "dtype=fp8 needs a GPU" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_explain_steps_are_profiled_after_the_measured_ones(tmp_path):
     """trainer.explain_steps=2 after 2 measured steps: only the measured steps print contract
     lines; explain/ beside the config holds the Chrome trace (one ProfilerStep#i span per

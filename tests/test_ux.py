@@ -2,7 +2,7 @@
 the verdict at the end of a sweep, the picture, a quiet console, the exit codes.
 
 The console tests run the real `python -m moe_perf` in temporary git repositories (the small
-trainer of conftest.py); the picture tests draw real PNGs from arm records.
+trainer of tests/helpers/small_trainer.py); the picture tests draw real PNGs from arm records.
 """
 
 from __future__ import annotations
@@ -16,14 +16,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import SMALL_RUN, moe_perf, sweep_dir
+from helpers.command import SMALL_RUN, moe_perf, sweep_dir
+from helpers.pictures import DrawnAxes, drawn, png_pixels
 
 from moe_perf.common.contract import format_step
 from moe_perf.launchers.process import run_trainer
 from moe_perf.report.comparison import compare_records
 from moe_perf.report.logformats import LogReader
 from moe_perf.report.record import summarize
-from moe_perf.report.render import verdict, write_outputs
+from moe_perf.report.render import figure, verdict, write_outputs
 from moe_perf.runner.progress import RankThreads, StepProgress, UnmatchedLines, clock_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +45,7 @@ def documented_exit_codes(text: str) -> set[int]:
     return {int(code) for code in re.findall(r"^\s*\|?\s*`?(\d+)`?\s", section, re.M)[:5]}
 
 
+@pytest.mark.slow
 def test_help_says_what_moe_perf_does_with_examples_groups_outputs_and_exit_codes(tmp_path):
     result = run(tmp_path, "moe_perf", "--help")
     assert result.returncode == 0, result.stderr
@@ -68,6 +70,7 @@ def test_help_says_what_moe_perf_does_with_examples_groups_outputs_and_exit_code
     assert "explain=true" in text and "explain.png" in text
 
 
+@pytest.mark.slow
 def test_compare_help_has_examples_outputs_and_exit_codes(tmp_path):
     result = run(tmp_path, "moe_perf.compare", "--help")
     assert result.returncode == 0, result.stderr
@@ -111,6 +114,7 @@ def test_every_source_path_the_docs_name_exists():
     assert [f"{doc}: {path}" for doc, path in named if not (ROOT / path).exists()] == []
 
 
+@pytest.mark.slow
 def test_list_shows_every_preset_in_one_line(tmp_path):
     result = run(tmp_path, "moe_perf", "list")
     assert result.returncode == 0, result.stderr
@@ -126,6 +130,7 @@ def test_list_shows_every_preset_in_one_line(tmp_path):
     assert "ep8 world 8 pp1 cp1 ep8 dp8 GPU" in text
 
 
+@pytest.mark.slow
 def test_a_config_error_exits_1_and_a_prerequisite_error_exits_2(ab_repo):
     unknown = moe_perf(ab_repo, "model=no-such-model")
     assert unknown.returncode == 1, unknown.stderr
@@ -185,7 +190,7 @@ def test_a_sweep_counts_arms_lists_its_files_and_ends_with_a_verdict(ab_repo):
     tag = arm_dir.name.removesuffix("-base")
     assert re.search(rf"^\[moe_perf\] tiny {tag}: step time .*UNKNOWN", out, re.M), out
     assert out.index("files written:") < out.index(f"[moe_perf] tiny {tag}: step time")
-    assert (sweep / "comparison.png").stat().st_size > 20_000
+    assert png_pixels(sweep / "comparison.png") == (1300, 380)  # one row: one (model, tag)
 
 
 # ---- the picture -----------------------------------------------------------------------------
@@ -202,46 +207,82 @@ def arm_record(arm: str, repeat: int, step_s: float, failed: bool = False, sha: 
             "steps": steps, "summary": summarize(steps), "config": {}}  # fmt: skip
 
 
-def draw(tmp_path: Path, records: list[dict]) -> tuple[dict, Path]:
+def draw(tmp_path: Path, records: list[dict]) -> tuple[dict, list[DrawnAxes]]:
+    """The report of `records`, its comparison.png written, and what its figure draws."""
     report = compare_records(records)
     files = write_outputs(report, tmp_path)
     (png,) = [f for f in files if f.suffix == ".png"]
-    assert png.stat().st_size > 20_000  # a drawn figure, not an empty canvas
-    return report, png
+    assert png_pixels(png) == (1300, 380 * len(report["groups"]))  # a row of 3 axes per group
+    return report, [drawn(ax) for ax in figure(report).axes]
+
+
+def drawn_steps(record: dict) -> tuple[list[float], list[float]]:
+    """The line a run should get: its steps from 2 on (step 1 is warm-up) and their times."""
+    steps = record["steps"][1:]
+    return [float(s["step"]) for s in steps], [s["step_time_s"] for s in steps]
 
 
 def test_picture_of_an_ab_run(tmp_path):
-    report, _ = draw(
-        tmp_path, [arm_record("base", 0, 0.100), arm_record("feat", 0, 0.103, sha="b")]
-    )
+    base, feat = arm_record("base", 0, 0.100), arm_record("feat", 0, 0.103, sha="b")
+    report, (steps, tokens, memory) = draw(tmp_path, [base, feat])
     (group,) = report["groups"]
     assert re.fullmatch(r"tiny \S+: step time .*UNKNOWN.*", verdict(group))
     assert group["verdict"]["step_time_s"]["estimate"] == pytest.approx(0.03)
+
+    assert steps.title.startswith(f"tiny  {group['tag']}\nstep time: step time UNKNOWN: +3.0%")
+    assert (steps.xlabel, steps.ylabel) == ("step (step 1 not shown: warm-up)", "step time (s)")
+    assert steps.lines["base r0"] == drawn_steps(base)
+    assert steps.lines["feat r0"] == drawn_steps(feat)
+    for arm in ("base", "feat"):
+        median = group["arms"][arm]["step_time_s"]["median"]
+        assert steps.lines[f"{arm} median {median:.4g} s"][1] == [median, median]
+    assert steps.legend == list(steps.lines)  # every series named in the legend
+    for ax, key in ((tokens, "tokens_per_s"), (memory, "peak_mem_gib")):
+        assert ax.xticklabels == ["base", "feat"]
+        assert ax.bars == [group["arms"][arm][key]["median"] for arm in ("base", "feat")]
+        assert [ys for _, ys in ax.points] == [[ax.bars[0]], [ax.bars[1]]]  # the one run each
+    assert tokens.title == "tokens/s (median of runs)\nfeat -2.91%"
+    assert memory.title == "peak memory GiB (max per run)\nfeat +0.00%"
 
 
 def test_picture_of_a_repeat_sweep(tmp_path):
     records = [arm_record(arm, r, (0.100 if arm == "base" else 0.110) + 0.001 * r,
                           sha="a" if arm == "base" else "b")
                for r in range(3) for arm in ("base", "feat")]  # fmt: skip
-    report, _ = draw(tmp_path, records)
+    report, (steps, tokens, _) = draw(tmp_path, records)
     assert "DIFFERENT" in verdict(report["groups"][0])
+    for record in records:
+        assert steps.lines[f"{record['arm']} r{record['repeat']}"] == drawn_steps(record)
+    assert {"base spread of 3 runs", "feat spread of 3 runs"} <= set(steps.legend)
+    assert len(tokens.points) == 6  # every run a dot beside its arm's bar
+    assert [xs for xs, _ in tokens.points] == [[0.0]] * 3 + [[1.0]] * 3
 
 
 def test_picture_of_an_aa_sweep_says_so(tmp_path):
     records = [arm_record(arm, r, 0.1 + 0.001 * r) for r in range(2) for arm in ("base", "feat")]
-    report, _ = draw(tmp_path, records)
+    report, (steps, _, _) = draw(tmp_path, records)
     text = verdict(report["groups"][0])
     assert "SAME" in text and "A/A run" in text
+    headline = steps.title.splitlines()[0]
+    assert headline.endswith("A/A run: base and feat are one commit, any difference is noise")
 
 
 def test_picture_of_a_sweep_with_a_failed_arm(tmp_path):
     records = [arm_record("base", 0, 0.1), arm_record("feat", 0, 0.1, failed=True, sha="b"),
                arm_record("base", 0, 0.2, tag="pp1-dp2-cp1-ep2-seq64-fp32"),
                arm_record("feat", 0, 0.21, sha="b", tag="pp1-dp2-cp1-ep2-seq64-fp32")]  # fmt: skip
-    report, _ = draw(tmp_path, records)
+    report, axes = draw(tmp_path, records)
     failed, ok = report["groups"]
     assert verdict(failed).endswith("not compared, no successful run of feat (1 of 2 runs failed)")
-    assert "step time UNKNOWN: +5.0%" in verdict(ok)
+    assert "step time UNKNOWN: +5.0% (1 pair)" in verdict(ok)
+    steps, tokens, memory = axes[:3]  # the first row: the group with the failed arm
+    assert steps.lines["feat r0 FAILED"] == drawn_steps(records[1])  # its steps until it failed
+    assert "feat median" not in " ".join(steps.lines)  # no median for an arm without a run
+    for ax in (tokens, memory):
+        assert ax.texts[-1] == "failed" and len(ax.bars) == 1  # base's bar only
+    assert [ax.title.splitlines()[0] for ax in axes[3:]] == [
+        "tiny  pp1-dp2-cp1-ep2-seq64-fp32", "tokens/s (median of runs)",
+        "peak memory GiB (max per run)"]  # fmt: skip
 
 
 # ---- progress and threads --------------------------------------------------------------------
@@ -319,6 +360,7 @@ def test_lines_of_a_known_format_are_named():
     assert "that line reads as torchtitan's: trainer.log_format=torchtitan?" in warning
 
 
+@pytest.mark.slow
 def test_the_warning_comes_while_the_arm_runs(tmp_path):
     trainer = "import time\n" + "".join(f"print({line!r}, flush=True)\n" for line in OWN_LINES)
     trainer += "time.sleep(0.2)\nprint('the last line', flush=True)\n"

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, moe_perf, sweep_dir, write
-from hydra import compose, initialize_config_module
+from helpers.command import moe_perf, sweep_dir
+from helpers.compose import composed
+from helpers.repos import commit, git, write
 from omegaconf import OmegaConf
 
 from moe_perf.common.config import ConfigError, config_from_dict
@@ -42,6 +43,7 @@ def assert_nothing_launched(repo: Path) -> None:
     assert len(git(repo, "worktree", "list").splitlines()) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(VIOLATIONS))
 def test_prerequisite_violation(repo, name):
     overrides, words = VIOLATIONS[name]
@@ -54,6 +56,7 @@ def test_prerequisite_violation(repo, name):
     assert_nothing_launched(repo)
 
 
+@pytest.mark.slow
 def test_dirty_tree_untracked_counts_ignored_does_not(repo):
     commit(repo, {".gitignore": "scratch/\n"}, "ignore scratch")
     write(repo, {"scratch/notes.txt": "ignored\n"})
@@ -72,6 +75,7 @@ def test_dirty_tree_untracked_counts_ignored_does_not(repo):
     assert_nothing_launched(repo)
 
 
+@pytest.mark.slow
 def test_a_failing_job_stops_the_whole_sweep_before_any_arm(repo):
     result = moe_perf(repo, "model.num_experts=6", "-m", "mesh=single,ep4", "arm=base,feat")
     assert result.returncode == 2
@@ -81,24 +85,21 @@ def test_a_failing_job_stops_the_whole_sweep_before_any_arm(repo):
     assert_nothing_launched(repo)
 
 
+@pytest.mark.slow
 def test_not_a_repository(tmp_path):
     result = moe_perf(tmp_path, "wandb.mode=disabled")
     assert result.returncode == 2
     assert "repo=." in result.stderr and "not inside a git repository" in result.stderr
 
 
-def compose_cfg(*overrides: str):
-    with initialize_config_module(config_module="moe_perf.conf", version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
+@pytest.mark.slow
 def test_check_job_accepts_every_default_and_refuses_each_violation(tmp_path):
-    validate.check_job(compose_cfg(), tmp_path)
+    validate.check_job(composed(), tmp_path)
     for name, (overrides, words) in VIOLATIONS.items():
         if name in ("missing ref",):
             continue  # a sweep-level check
         with pytest.raises(validate.PrerequisiteError) as err:
-            validate.check_job(compose_cfg(*overrides), tmp_path)
+            validate.check_job(composed(*overrides), tmp_path)
         assert words[0] in str(err.value), name
 
 
@@ -108,6 +109,7 @@ def test_refs_are_reported_together(repo):
     assert "refs.base=nope" in str(err.value) and "refs.feat is not set" in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["batch per dp >= 2pp", "micro batch", "micro-batches >= pp"])
 def test_the_trainer_refuses_a_batch_with_the_runners_message(repo, name):
     """The runner (validate.py, through the real command) and the trainer (Config.validate on
@@ -116,7 +118,7 @@ def test_the_trainer_refuses_a_batch_with_the_runners_message(repo, name):
     result = moe_perf(repo, *overrides, "wandb.mode=disabled")
     assert result.returncode == 2, result.stdout + result.stderr
     runner = next(line for line in result.stderr.splitlines() if "cannot run" in line)
-    cfg = compose_cfg(*overrides)
+    cfg = composed(*overrides)
     sections = ("model", "mesh", "dtype", "training", "data", "trainer")  # what the trainer reads
     resolved = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in sections}
     with pytest.raises(ValueError) as err:
@@ -185,13 +187,15 @@ THROUGH_THE_COMMAND = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override", list(BAD_INPUTS))
 def test_a_bad_input_is_refused_with_one_line(override):
     with pytest.raises(validate.PrerequisiteError) as err:
-        validate.check_config(compose_cfg(override))
+        validate.check_config(composed(override))
     assert BAD_INPUTS[override] in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("override", THROUGH_THE_COMMAND)
 def test_a_bad_input_is_one_line_before_anything_is_written(repo, override):
     result = moe_perf(repo, override, "wandb.mode=disabled")
@@ -202,6 +206,7 @@ def test_a_bad_input_is_one_line_before_anything_is_written(repo, override):
     assert_nothing_written(repo)
 
 
+@pytest.mark.slow
 def test_a_bad_input_in_a_sweep_stops_it_before_any_arm(repo):
     result = moe_perf(repo, "-m", "arm=base,feat", "training.sequence_length=0,64")
     assert result.returncode == 2, result.stdout + result.stderr
@@ -215,7 +220,7 @@ def test_a_bad_input_in_a_sweep_stops_it_before_any_arm(repo):
 )
 def test_the_trainer_refuses_a_value_out_of_range_with_the_runners_message(override):
     """The same bounds (the field's metadata in common/config.py) on both sides."""
-    cfg = compose_cfg(override)
+    cfg = composed(override)
     runner = None
     try:
         validate.check_config(cfg)

@@ -12,7 +12,8 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import commit, git, make_repo, moe_perf, sweep_dir
+from helpers.command import moe_perf, sweep_dir
+from helpers.repos import commit, git, make_repo
 
 from moe_perf.stats.verdict import Plan, decide, keep_adding
 

@@ -72,6 +72,7 @@ def run_log_arm(tmp_path: Path, arm_dir: Path, wandb_cfg: dict, **env) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_offline_run_writes_under_arm_dir_and_never_the_key(tmp_path):
     arm_dir = tmp_path / "pp1-dp1-cp1-ep1-seq64-bf16-feat-r1"
     arm_dir.mkdir()
@@ -89,6 +90,7 @@ def test_offline_run_writes_under_arm_dir_and_never_the_key(tmp_path):
         assert FAKE_KEY.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.slow
 def test_disabled_creates_nothing_and_does_not_import_wandb(tmp_path):
     arm_dir = tmp_path / "arm"
     arm_dir.mkdir()
@@ -123,6 +125,7 @@ def closed_port() -> int:
         return sock.getsockname()[1]  # nothing listens there once the socket is closed
 
 
+@pytest.mark.slow
 def test_auto_mode_with_an_unreachable_server_goes_offline_in_seconds(tmp_path):
     arm_dir = tmp_path / "pp1-dp1-cp1-ep1-seq64-bf16-feat-r1"
     arm_dir.mkdir()
@@ -163,6 +166,7 @@ LOG_VERDICT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_verdict_is_a_run_whose_summary_carries_it(tmp_path):
     group = {
         "model": "tiny", "tag": "pp1-dp1-cp1-ep1-seq64-bf16", "aa": False, "pairs": 3,

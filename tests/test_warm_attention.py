@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from test_train_single import write_config
+from helpers.trainer_run import write_config
 
 from moe_perf.common.config import TrainerConfig, load_config
 from moe_perf.trainer import runtime, train

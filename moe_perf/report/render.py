@@ -258,7 +258,7 @@ def _draw_per_arm(ax, group: dict, key: str, label: str) -> None:
     ax.grid(alpha=0.3, axis="y")
 
 
-def plot(report: dict, path: Path) -> Path | None:
+def figure(report: dict):
     """One row per (model, tag): every run's step times with each arm's median and spread,
     then tokens/s and peak memory per arm. None if no run has a step to draw."""
     groups = report["groups"]
@@ -276,6 +276,16 @@ def plot(report: dict, path: Path) -> Path | None:
         row[0].set_title(_title(group), fontsize=9, loc="left")
         _draw_per_arm(row[1], group, "tokens_per_s", "tokens/s (median of runs)")
         _draw_per_arm(row[2], group, "peak_mem_gib", "peak memory GiB (max per run)")
+    return fig
+
+
+def plot(report: dict, path: Path) -> Path | None:
+    """The figure saved at `path` (PNG, 100 dpi); None, and no file, if there is nothing to draw."""
+    fig = figure(report)
+    if fig is None:
+        return None
+    import matplotlib.pyplot as plt
+
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

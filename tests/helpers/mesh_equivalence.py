@@ -1,18 +1,22 @@
 """The tiny model on a pp/cp/ep mesh, through the trainer's own code, against one process.
 
 `check_mesh(rank, world, pp=, cp=, ep=, ...)` runs on every rank of a gloo group (with
-tests.distributed_util.run_distributed): each rank builds the tiny model on the meta device as
+helpers.distributed.run_distributed): each rank builds the tiny model on the meta device as
 the trainer does, then `init_parallel` + `parallelize` (pipeline split, EP, materialization
 from the seed, CP, FSDP2), and a single-process reference from the same seed; every parameter
 this rank holds must equal the reference's exactly (its slice of it). Both train two steps with
 plain SGD through train.py's step (`train.forward_backward`,
 or `pp.forward_backward` + `pp.step_metrics` under PP) on train.py's data layout (micro-batch m
-of dp rank r is global rows (m*dp + r)*micro_batch..., zig-zag sharded over cp).
+of dp rank r is global rows (m*dp + r)*micro_batch..., zig-zag sharded over cp). This is the
+one harness for "a mesh trains as one process does": it drives the trainer's own code, never
+a re-implementation of its step.
 
 The reference runs micro-step m on the union of the dp ranks' m-th micro-batches (full
 sequences), which is what the global-batch balance loss sees under data x context parallel.
-Checked: both steps' mean loss, every step-1 gradient this rank holds (FSDP shards gathered,
-then the EP group's experts) and the global gradient norm (pp and dp_cp reductions).
+Checked: every step's mean loss, every step-1 gradient this rank holds (FSDP shards gathered,
+then the EP group's experts), the global gradient norm (pp and dp_cp reductions; with
+`max_grad_norm` > 0 clipping is active, so later steps also check the clipped update) and every
+parameter after the last step.
 
 Tolerance, fp32: rtol 1e-5, atol 1e-6 (same terms, other summation orders: all-reduces,
 per-rank batches, expert-sorted rows, masked instead of causal-kernel attention under CP).
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from helpers.distributed import full_tensor
 from moe_perf.common.config import config_from_dict
 from moe_perf.common.mesh import MeshDims
 from moe_perf.trainer import pp
@@ -38,11 +43,10 @@ from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import set_aux_loss_grad_scale, set_token_offset
 from moe_perf.trainer.parallelize import clip_grad_norm_, init_parallel
 from moe_perf.trainer.train import distribute, forward_backward
-from tests.distributed_util import full_tensor
 
 RTOL, ATOL = 1e-5, 1e-6
 SEQ, GLOBAL_BATCH, STEPS, LR = 16, 8, 2, 0.5
-TINY = Path(__file__).resolve().parents[1] / "conf" / "model" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "conf" / "model" / "tiny.yaml"
 
 
 def make_config(world, pp_, cp, ep, micro_batch, benchmark, load_balance, schedule, ac, experts):
@@ -124,6 +128,8 @@ def check_mesh(
     schedule="1F1B",
     ac="none",
     experts=None,
+    steps=STEPS,
+    max_grad_norm=0.0,
 ):
     cfg = make_config(
         world, pp_, cp, ep, micro_batch, benchmark, load_balance, schedule, ac, experts
@@ -143,7 +149,7 @@ def check_mesh(
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
 
-    for step in range(1, STEPS + 1):
+    for step in range(1, steps + 1):
         rows = step_rows(step, cfg.model.vocab_size)
         mine = []
         for inputs, labels in dp_microbatches(rows, micro_batch, dims.dp, dp_rank):
@@ -178,13 +184,28 @@ def check_mesh(
                 )
                 checked += 1
             assert checked
-        norm = clip_grad_norm_(list(model.parameters()), 0.0, par)
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf"))
+        norm = clip_grad_norm_(list(model.parameters()), max_grad_norm, par)
+        ref_max = max_grad_norm if max_grad_norm > 0 else float("inf")
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), ref_max)
         torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL, msg=f"norm, step {step}")
         opt.step()
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+    check_final_parameters(model, ref_params, par, pipelined=pipe is not None, steps=steps)
+
+
+def check_final_parameters(model, ref_params, par, *, pipelined: bool, steps: int) -> None:
+    """After the updates the models must still agree, parameter by parameter."""
+    for name, p in model.named_parameters():
+        ref_name = reference_name(name, pipelined)
+        torch.testing.assert_close(
+            full_param(name, p, par),
+            ref_params[ref_name].detach(),
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda msg, n=ref_name: f"parameter {n} after {steps} steps: {msg}",
+        )
 
 
 def check_meshes(rank, world, cases):
