@@ -6,9 +6,9 @@ Rules (docs/design.md, "Import rules"):
     tokenizers (the corpus build command) and triton (a CUDA kernel, built on first use); never
     Hydra, OmegaConf, wandb or git; kernels.py (the trainer's Triton kernels) imports triton at
     module level and is itself imported only inside functions;
-  * runner, report, launchers, frameworks, common and the Hydra launcher plugin never import torch,
-    neither at module level nor inside a function (moe_perf/titan_entry.py is an in-rank entry
-    point: torch and torchtitan are its job);
+  * runner, report, logs, launchers, frameworks, common and the Hydra launcher plugin never
+    import torch, neither at module level nor inside a function (moe_perf/titan_entry.py is an
+    in-rank entry point: torch and torchtitan are its job);
   * common imports nothing else of moe_perf;
   * the statistics (moe_perf/stats) import only numpy, scipy, the standard library and
     themselves, at module level or inside a function: the runner, the report and the sweeper
@@ -34,6 +34,7 @@ OPTIONAL_MODULES = ("moe_perf.trainer.kernels",)  # may import an optional extra
 NO_TORCH_PACKAGES = (
     "moe_perf.runner",
     "moe_perf.report",
+    "moe_perf.logs",
     "moe_perf.launchers",
     "moe_perf.frameworks",
     "moe_perf.common",

@@ -18,8 +18,9 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moe_perf import logs
 from moe_perf.common.contract import METRICS as STEP_METRICS
-from moe_perf.report import explain, imbalance, logformats
+from moe_perf.report import explain, imbalance
 from moe_perf.report.imports import import_warnings
 from moe_perf.report.record import ARMS, load_record, measured_steps, summarize
 from moe_perf.report.record import SCHEMA as ARM_SCHEMA
@@ -101,10 +102,10 @@ def load_sweep(sweep_dir: Path) -> tuple[list[dict], list[str]]:
 
 
 def record_from_log(path: Path, arm: str, fmt: str = "auto",
-                    shape: logformats.RunShape | None = None) -> dict:  # fmt: skip
+                    shape: logs.RunShape | None = None) -> dict:  # fmt: skip
     """An arm record (schema moe_perf.arm/1, the fields a comparison needs) from a console log,
     its format detected (`auto`) or named, its figures normalized with the run's `shape`."""
-    parsed = logformats.parse_log(path, fmt, shape)
+    parsed = logs.parse_log(path, fmt, shape)
     steps, failure = parsed.steps, parsed.failure(max_steps=0)
     return {
         "schema": ARM_SCHEMA,
@@ -127,7 +128,7 @@ def record_from_log(path: Path, arm: str, fmt: str = "auto",
 
 
 def load_arm(path: Path, arm: str, fmt: str = "auto",
-             shape: logformats.RunShape | None = None) -> dict:  # fmt: skip
+             shape: logs.RunShape | None = None) -> dict:  # fmt: skip
     """A metrics.json file as it is, or a console log parsed into a record."""
     if path.suffix == ".json":
         record, note = load_record(path)

@@ -24,10 +24,11 @@ from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.command import arm_values, fill_env
-from moe_perf.launchers.process import LaunchResult, run_trainer, shown, trainer_env
+from moe_perf.launchers.process import LaunchResult, run_trainer, trainer_env
+from moe_perf.logs import RunShape
+from moe_perf.logs.progress import shown
 from moe_perf.report import explain
 from moe_perf.report import record as records
-from moe_perf.report.logformats import RunShape
 from moe_perf.report.sweep import Sweep
 from moe_perf.runner import build, build_isolation, dryrun, outputs, preflight, verify_imports
 from moe_perf.runner.job import Job, repeat_suffix, say, standalone_job
