@@ -30,6 +30,7 @@ _MEGATRON_FIELDS = {
 }
 _MEMORY_MIB_RE = re.compile(r"memory \(MB\).*?\|\s*max reserved:\s*" + NUM)
 _MEMORY_GB_RE = re.compile(r"mem-max-reserved-gigabytes:\s*" + NUM)
+_MAX_ALLOCATED_MIB_RE = re.compile(r"memory \(MB\).*?\|\s*max allocated:\s*" + NUM)
 
 _NEMO_STEP_RE = re.compile(r"\bTraining epoch\s+\d+,\s*iteration\s+(\d+)\s*/\s*(\d+)")
 _NEMO_FIELD_RE = re.compile(r"\|\s*([^|:]+?)\s*:\s*([^|\s]+)")
@@ -42,6 +43,16 @@ def memory_gib(text: str) -> float | None:
         return mib / 1024.0
     gb = search(_MEMORY_GB_RE, text)
     return None if gb is None else gb * GIB_PER_UNIT["gb"]
+
+
+def allocated_and_reserved_gib(text: str) -> tuple[float, float] | None:
+    """(max allocated, max reserved) GiB of a Megatron memory report (MiB) that has both, or
+    None: `[Rank r] (after k iterations) memory (MB) | allocated: ... | max allocated: ... |
+    reserved: ... | max reserved: ...`."""
+    allocated, reserved = search(_MAX_ALLOCATED_MIB_RE, text), search(_MEMORY_MIB_RE, text)
+    if allocated is None or reserved is None:
+        return None
+    return allocated / 1024.0, reserved / 1024.0
 
 
 class _MemoryReports(LogFormat):

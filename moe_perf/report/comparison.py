@@ -20,7 +20,8 @@ from pathlib import Path
 
 from moe_perf import logs
 from moe_perf.common.contract import METRICS as STEP_METRICS
-from moe_perf.report import explain, imbalance
+from moe_perf.report import imbalance, render_explain
+from moe_perf.report.explain import explain_group
 from moe_perf.report.imports import import_warnings
 from moe_perf.report.record import ARMS, load_record, measured_steps, summarize
 from moe_perf.report.record import SCHEMA as ARM_SCHEMA
@@ -321,7 +322,7 @@ def compare_group(model: str, tag: str, records: list[dict], plan: Plan | None =
         # a run that never settled still counts (its median is all there is), said with the verdict
         group["unsettled_runs"] = [f"{b['arm']} r{b['repeat']}" for pair in paired_runs(runs)
                                    for b in pair if b.get("unsettled")]  # fmt: skip
-    section = explain.explain_group(records)  # None unless explain=true or traces exist
+    section = explain_group(records)  # None unless explain=true or traces exist
     if section is not None:
         group["explain"] = section
     routing = imbalance.routing_section(group, records)  # None under balanced routing
@@ -364,7 +365,7 @@ def compare_sweep(sweep_dir: Path | str, write: bool = True) -> tuple[dict, str]
     plan = Plan(**saved["plan"]) if saved else None
     report = compare_records(records, notes, plan, sweep_dir=str(sweep_dir))
     if write:
-        explain.write_plot(report, sweep_dir)  # explain.png, named in each group's section
+        render_explain.write_plot(report, sweep_dir)  # explain.png, named in each group's section
         imbalance.write_plot(report, sweep_dir)  # step time against imbalance, likewise
         write_outputs(report, sweep_dir)
     return report, render(report)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_perf.report import explain, imbalance
+from moe_perf.report import figures, imbalance, render_explain
 from moe_perf.report.record import ARMS, strict_json
 from moe_perf.stats.verdict import Verdict, describe
 
@@ -136,7 +136,9 @@ def render(report: dict) -> str:
     if not report["groups"]:
         lines.append("No arm records (metrics.json) found.")
     for group in report["groups"]:
-        lines += _group_lines(group) + explain.markdown(group) + imbalance.markdown(group) + [""]
+        lines += (
+            _group_lines(group) + render_explain.markdown(group) + imbalance.markdown(group) + [""]
+        )
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -264,11 +266,7 @@ def plot(report: dict, path: Path) -> Path | None:
     groups = report["groups"]
     if not any(r["step_times"] for g in groups for r in g["runs"]):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on clusters; set before pyplot is imported
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, axes = plt.subplots(len(groups), 3, figsize=(13, 3.8 * len(groups)), squeeze=False,
                              width_ratios=[3.2, 1, 1], layout="constrained")  # fmt: skip
     for row, group in zip(axes, groups, strict=True):
@@ -276,9 +274,7 @@ def plot(report: dict, path: Path) -> Path | None:
         row[0].set_title(_title(group), fontsize=9, loc="left")
         _draw_per_arm(row[1], group, "tokens_per_s", "tokens/s (median of runs)")
         _draw_per_arm(row[2], group, "peak_mem_gib", "peak memory GiB (max per run)")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path)
 
 
 def write_outputs(report: dict, out_dir: Path) -> list[Path]:
