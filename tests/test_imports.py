@@ -255,3 +255,39 @@ def test_the_checker_reports_every_broken_rule(tmp_path):
     for line in expected:
         assert any(p.startswith(line) for p in problems), (line, problems)
     assert len(problems) == len(expected), problems
+
+
+# ---- layers below the runner and the report --------------------------------------------------
+
+# what each may import of moe_perf: log reading serves the launchers and the report, so it sits
+# below both; the launchers are driven by the runner and feed the report, so they import neither
+LOWER_LAYERS = {
+    "moe_perf.logs": ("moe_perf.logs", "moe_perf.common"),
+    "moe_perf.launchers": ("moe_perf.launchers", "moe_perf.logs", "moe_perf.common"),
+}
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Each import of a lower layer (LOWER_LAYERS) into a part of moe_perf above it."""
+    found = []
+    for package, allowed in LOWER_LAYERS.items():
+        for path in sorted((root / package.replace(".", "/")).rglob("*.py")):
+            for imp in imports_of(root, path):
+                if _top(imp.target) == "moe_perf" and not _under(imp.target, allowed):
+                    found.append(f"{path.relative_to(root)}:{imp.line}: {imp.target}")
+    return found
+
+
+def test_the_layer_check_finds_a_planted_upward_import(tmp_path):
+    write(tmp_path, "moe_perf/logs/reader.py", "from moe_perf.common import contract\n")
+    write(tmp_path, "moe_perf/logs/bad.py", "def f():\n    from moe_perf.report import render\n")
+    write(tmp_path, "moe_perf/launchers/process.py", "from moe_perf.logs import LogReader\n")
+    write(tmp_path, "moe_perf/launchers/bad.py", "from moe_perf.runner.progress import x\n")
+    assert upward_imports(tmp_path) == [
+        "moe_perf/logs/bad.py:2: moe_perf.report.render",
+        "moe_perf/launchers/bad.py:1: moe_perf.runner.progress.x",
+    ]
+
+
+def test_log_reading_and_the_launchers_import_nothing_above_them():
+    assert upward_imports(ROOT) == []
