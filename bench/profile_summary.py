@@ -5,7 +5,7 @@
 
 The trainer writes traces with `trainer.profile_steps=N` (bench_trainer.py --profile N) or
 `explain=true` (`<arm dir>/explain/`, one ProfilerStep#i span per step). The categories and
-their rules are the comparison's own (moe_perf/report/explain.py): on GPU the device kernels,
+their rules are the comparison's own (moe_perf/report/explain/): on GPU the device kernels,
 attributed through their launching CPU op, plus the GPU's idle time in the step; on CPU the
 ops' self time plus the time outside any op. `--steps` divides a trace without step markers.
 """
@@ -17,7 +17,8 @@ import json
 import statistics
 from pathlib import Path
 
-from moe_perf.report.explain import CATEGORIES, read_trace, trace_breakdown
+from moe_perf.report.explain.categories import CATEGORIES
+from moe_perf.report.explain.traces import read_trace, trace_breakdown
 
 
 def summarize(trace_path: Path, steps: int | None = None, top: int = 15) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_perf.report.explain import TraceOp, nest_ops, read_trace  # noqa: E402
+from moe_perf.report.explain.traces import TraceOp, nest_ops, read_trace  # noqa: E402
 
 
 def _step_window(spans: list[dict], step: int) -> tuple[float, float] | None:

@@ -18,7 +18,7 @@ from helpers.repos import commit, git, make_repo
 
 from moe_perf.launchers.base import free_port
 from moe_perf.launchers.process import trainer_env
-from moe_perf.report.logformats import RunShape, parse_lines
+from moe_perf.logs import RunShape, parse_lines
 
 pytestmark = pytest.mark.slow
 TAG = "pp1-dp1-cp1-ep1-seq64-fp32"

@@ -164,7 +164,7 @@ def test_bad_step_lines_fail_the_arm_and_every_json_is_strict(tmp_path, mode, re
 
 def test_each_bad_step_line_is_named():
     from moe_perf.common.contract import format_step
-    from moe_perf.report.logformats import parse_lines
+    from moe_perf.logs import parse_lines
 
     def line(step, t=0.5, of=4, tps=100.0):
         return "[rank0]:" + format_step(step, of, step_time_s=t, tokens_per_s=tps, peak_mem_gib=1)

@@ -6,9 +6,9 @@ Rules (docs/design.md, "Import rules"):
     tokenizers (the corpus build command) and triton (a CUDA kernel, built on first use); never
     Hydra, OmegaConf, wandb or git; kernels.py (the trainer's Triton kernels) imports triton at
     module level and is itself imported only inside functions;
-  * runner, report, launchers, frameworks, common and the Hydra launcher plugin never import torch,
-    neither at module level nor inside a function (moe_perf/titan_entry.py is an in-rank entry
-    point: torch and torchtitan are its job);
+  * runner, report, logs, launchers, frameworks, common and the Hydra launcher plugin never
+    import torch, neither at module level nor inside a function (moe_perf/titan_entry.py is an
+    in-rank entry point: torch and torchtitan are its job);
   * common imports nothing else of moe_perf;
   * the statistics (moe_perf/stats) import only numpy, scipy, the standard library and
     themselves, at module level or inside a function: the runner, the report and the sweeper
@@ -34,6 +34,7 @@ OPTIONAL_MODULES = ("moe_perf.trainer.kernels",)  # may import an optional extra
 NO_TORCH_PACKAGES = (
     "moe_perf.runner",
     "moe_perf.report",
+    "moe_perf.logs",
     "moe_perf.launchers",
     "moe_perf.frameworks",
     "moe_perf.common",
@@ -254,3 +255,39 @@ def test_the_checker_reports_every_broken_rule(tmp_path):
     for line in expected:
         assert any(p.startswith(line) for p in problems), (line, problems)
     assert len(problems) == len(expected), problems
+
+
+# ---- layers below the runner and the report --------------------------------------------------
+
+# what each may import of moe_perf: log reading serves the launchers and the report, so it sits
+# below both; the launchers are driven by the runner and feed the report, so they import neither
+LOWER_LAYERS = {
+    "moe_perf.logs": ("moe_perf.logs", "moe_perf.common"),
+    "moe_perf.launchers": ("moe_perf.launchers", "moe_perf.logs", "moe_perf.common"),
+}
+
+
+def upward_imports(root: Path) -> list[str]:
+    """Each import of a lower layer (LOWER_LAYERS) into a part of moe_perf above it."""
+    found = []
+    for package, allowed in LOWER_LAYERS.items():
+        for path in sorted((root / package.replace(".", "/")).rglob("*.py")):
+            for imp in imports_of(root, path):
+                if _top(imp.target) == "moe_perf" and not _under(imp.target, allowed):
+                    found.append(f"{path.relative_to(root)}:{imp.line}: {imp.target}")
+    return found
+
+
+def test_the_layer_check_finds_a_planted_upward_import(tmp_path):
+    write(tmp_path, "moe_perf/logs/reader.py", "from moe_perf.common import contract\n")
+    write(tmp_path, "moe_perf/logs/bad.py", "def f():\n    from moe_perf.report import render\n")
+    write(tmp_path, "moe_perf/launchers/process.py", "from moe_perf.logs import LogReader\n")
+    write(tmp_path, "moe_perf/launchers/bad.py", "from moe_perf.runner.progress import x\n")
+    assert upward_imports(tmp_path) == [
+        "moe_perf/logs/bad.py:2: moe_perf.report.render",
+        "moe_perf/launchers/bad.py:1: moe_perf.runner.progress.x",
+    ]
+
+
+def test_log_reading_and_the_launchers_import_nothing_above_them():
+    assert upward_imports(ROOT) == []

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from moe_perf.common.contract import format_step
-from moe_perf.report import cli
-from moe_perf.report.logformats import (
+from moe_perf.logs import (
     LogReader,
     RunShape,
     TeeLines,
@@ -21,6 +20,7 @@ from moe_perf.report.logformats import (
     line_parser,
     parse_lines,
 )
+from moe_perf.report import cli
 
 ESC = "\x1b"
 # torchtitan's colours: red, green, orange (24-bit), turquoise (24-bit), blue, cyan, magenta

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from moe_perf.logs import RunShape, parse_lines, parse_log
 from moe_perf.report import comparison
-from moe_perf.report.logformats import RunShape, parse_lines, parse_log
 from moe_perf.report.record import SCHEMA, load_record, record_problems, summarize
 from moe_perf.runner.arm import report as report_arm
 from moe_perf.stats.steady import BAND_FLOOR, MIN_STEPS, settle

@@ -21,11 +21,12 @@ from helpers.pictures import DrawnAxes, drawn, png_pixels
 
 from moe_perf.common.contract import format_step
 from moe_perf.launchers.process import run_trainer
+from moe_perf.logs import LogReader
+from moe_perf.logs.progress import StepProgress, UnmatchedLines, clock_time
 from moe_perf.report.comparison import compare_records
-from moe_perf.report.logformats import LogReader
 from moe_perf.report.record import summarize
 from moe_perf.report.render import figure, verdict, write_outputs
-from moe_perf.runner.progress import RankThreads, StepProgress, UnmatchedLines, clock_time
+from moe_perf.runner.progress import RankThreads
 
 ROOT = Path(__file__).resolve().parents[1]
 EXIT_CODES = {0, 1, 2, 3, 130}

@@ -6,7 +6,7 @@
 (the resolved config.yaml the runner wrote), `{arm_dir}`, `{worktree}`, `{world_size}` and
 `{dp}` (inferred from the mesh), `{python}` (the interpreter the arms run). `trainer.log_format`
 names how the trainer prints a step: contract, torchtitan, megatron, nemo, or a regex with named
-groups (report/logformats.py).
+groups (moe_perf/logs/regex.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.base import TrainerLaunch
-from moe_perf.report.logformats import line_parser
+from moe_perf.logs import line_parser
 
 # `{mesh.pp}`; braces around anything else (`{"a": 1}`) are left as they are
 _PLACEHOLDER_RE = re.compile(r"\{([A-Za-z_][\w-]*(?:\.[\w-]+)*)\}")

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
+from moe_perf.common.explain import explain_steps
 from moe_perf.frameworks.armcode import ArmCode, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
-from moe_perf.report.explain import explain_steps
 
 # Megatron's names for the presets' load-balancing losses (a forced balance makes them moot,
 # but an unforced run trains with them)

@@ -21,8 +21,8 @@ from typing import TextIO
 
 from moe_perf.launchers.failures import LaunchFailure, describe, read_failure
 from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
-from moe_perf.report.logformats import LogReader, ParsedLog, RunShape, TeeLines
-from moe_perf.runner.progress import StepProgress, UnmatchedLines
+from moe_perf.logs import LogReader, ParsedLog, RunShape, TeeLines
+from moe_perf.logs.progress import StepProgress, UnmatchedLines
 
 # torchrun --tee prefixes every worker line with its rank: "[rank0]:" (trainer_env asks for the
 # global rank) or, by default, the local one: "[default0]:".
@@ -69,10 +69,6 @@ def trainer_env(worktree: Path, arm_dir: Path, token: str, extra: dict[str, str]
 
 
 # ---- output ----------------------------------------------------------------------------------
-
-
-def shown(value: float | None, spec: str) -> str:
-    return "?" if value is None else format(value, spec)
 
 
 class _Pump:
@@ -266,7 +262,7 @@ def run_trainer(
 
     `env` is added to the runner's environment; `failure_reason(exit_code, console_tail)` is
     the launcher's reading of a failed launch; `log_format` is how the trainer prints its
-    steps (report/logformats.py) and `shape` lets its figures be normalized; `repo` marks the
+    steps (moe_perf/logs) and `shape` lets its figures be normalized; `repo` marks the
     launch's processes as the repository's (orphans.py); `one_process`: the trainer is the
     launch's only process (no torchrun), rank 0, its exit status its own. KeyboardInterrupt
     (Ctrl-C, or SIGTERM turned into one by the caller) stops every process of the launch and

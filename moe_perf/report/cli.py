@@ -4,7 +4,7 @@ or sweep directories).
 python -m moe_perf.compare SWEEP_DIR            re-print (and re-write) a sweep's comparison
 python -m moe_perf.compare SWEEP_DIR --sweep ID an earlier sweep's, kept in SWEEP_DIR/previous/ID
 python -m moe_perf.compare BASE FEAT            two console logs or metrics.json files, each
-                                                log's format detected (report/logformats.py),
+                                                log's format detected (moe_perf/logs),
                                                 two arm directories, or two sweep directories
                                                 of one arm each (single runs, or repeats)
 python -m moe_perf.compare BASE FEAT --global-batch 32 --seq-length 2048 --world-size 8
@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from moe_perf.logs import FORMATS, REGEX_TIMING, RunShape, UnknownFormat, line_parser
 from moe_perf.report.comparison import compare_records, compare_sweep, load_arm, load_sweep
-from moe_perf.report.logformats import FORMATS, REGEX_TIMING, RunShape, UnknownFormat, line_parser
 from moe_perf.report.record import strict_json
 from moe_perf.report.render import render, write_outputs
 from moe_perf.report.sweep import find_sweep

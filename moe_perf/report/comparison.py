@@ -18,8 +18,10 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
+from moe_perf import logs
 from moe_perf.common.contract import METRICS as STEP_METRICS
-from moe_perf.report import explain, imbalance, logformats
+from moe_perf.report import imbalance, render_explain
+from moe_perf.report.explain import explain_group
 from moe_perf.report.imports import import_warnings
 from moe_perf.report.record import ARMS, load_record, measured_steps, summarize
 from moe_perf.report.record import SCHEMA as ARM_SCHEMA
@@ -101,10 +103,10 @@ def load_sweep(sweep_dir: Path) -> tuple[list[dict], list[str]]:
 
 
 def record_from_log(path: Path, arm: str, fmt: str = "auto",
-                    shape: logformats.RunShape | None = None) -> dict:  # fmt: skip
+                    shape: logs.RunShape | None = None) -> dict:  # fmt: skip
     """An arm record (schema moe_perf.arm/1, the fields a comparison needs) from a console log,
     its format detected (`auto`) or named, its figures normalized with the run's `shape`."""
-    parsed = logformats.parse_log(path, fmt, shape)
+    parsed = logs.parse_log(path, fmt, shape)
     steps, failure = parsed.steps, parsed.failure(max_steps=0)
     return {
         "schema": ARM_SCHEMA,
@@ -127,7 +129,7 @@ def record_from_log(path: Path, arm: str, fmt: str = "auto",
 
 
 def load_arm(path: Path, arm: str, fmt: str = "auto",
-             shape: logformats.RunShape | None = None) -> dict:  # fmt: skip
+             shape: logs.RunShape | None = None) -> dict:  # fmt: skip
     """A metrics.json file as it is, or a console log parsed into a record."""
     if path.suffix == ".json":
         record, note = load_record(path)
@@ -320,7 +322,7 @@ def compare_group(model: str, tag: str, records: list[dict], plan: Plan | None =
         # a run that never settled still counts (its median is all there is), said with the verdict
         group["unsettled_runs"] = [f"{b['arm']} r{b['repeat']}" for pair in paired_runs(runs)
                                    for b in pair if b.get("unsettled")]  # fmt: skip
-    section = explain.explain_group(records)  # None unless explain=true or traces exist
+    section = explain_group(records)  # None unless explain=true or traces exist
     if section is not None:
         group["explain"] = section
     routing = imbalance.routing_section(group, records)  # None under balanced routing
@@ -363,7 +365,7 @@ def compare_sweep(sweep_dir: Path | str, write: bool = True) -> tuple[dict, str]
     plan = Plan(**saved["plan"]) if saved else None
     report = compare_records(records, notes, plan, sweep_dir=str(sweep_dir))
     if write:
-        explain.write_plot(report, sweep_dir)  # explain.png, named in each group's section
+        render_explain.write_plot(report, sweep_dir)  # explain.png, named in each group's section
         imbalance.write_plot(report, sweep_dir)  # step time against imbalance, likewise
         write_outputs(report, sweep_dir)
     return report, render(report)

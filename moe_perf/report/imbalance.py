@@ -23,6 +23,7 @@ from pathlib import Path
 
 from moe_perf.common.config import ConfigError, config_from_dict, skew_plan_of
 from moe_perf.common.routing import RoutingError, imbalance_text
+from moe_perf.report import figures
 from moe_perf.report.record import IMBALANCE_METRICS
 
 PLOT_NAME = "comparison_imbalance.png"
@@ -219,11 +220,7 @@ def figure(report: dict):
     found = sweeps(report)
     if not found:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on clusters; set before pyplot is imported
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, axes = plt.subplots(len(found), 2, figsize=(11, 3.8 * len(found)), squeeze=False,
                              layout="constrained")  # fmt: skip
     for row, ((model, family), groups) in zip(axes, found.items(), strict=True):
@@ -241,11 +238,7 @@ def write_plot(report: dict, out_dir: Path) -> Path | None:
     fig = figure(report)
     if fig is None:
         return None
-    import matplotlib.pyplot as plt
-
-    path = Path(out_dir) / PLOT_NAME
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    path = figures.save(fig, Path(out_dir) / PLOT_NAME)
     for groups in sweeps(report).values():
         for group in groups:
             group["routing"]["plot"] = PLOT_NAME

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from moe_perf.report import explain, imbalance
+from moe_perf.report import figures, imbalance, render_explain
 from moe_perf.report.record import ARMS, strict_json
 from moe_perf.stats.verdict import Verdict, describe
 
@@ -136,7 +136,9 @@ def render(report: dict) -> str:
     if not report["groups"]:
         lines.append("No arm records (metrics.json) found.")
     for group in report["groups"]:
-        lines += _group_lines(group) + explain.markdown(group) + imbalance.markdown(group) + [""]
+        lines += (
+            _group_lines(group) + render_explain.markdown(group) + imbalance.markdown(group) + [""]
+        )
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -264,11 +266,7 @@ def figure(report: dict):
     groups = report["groups"]
     if not any(r["step_times"] for g in groups for r in g["runs"]):
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on clusters; set before pyplot is imported
-    import matplotlib.pyplot as plt
-
+    plt = figures.pyplot()
     fig, axes = plt.subplots(len(groups), 3, figsize=(13, 3.8 * len(groups)), squeeze=False,
                              width_ratios=[3.2, 1, 1], layout="constrained")  # fmt: skip
     for row, group in zip(axes, groups, strict=True):
@@ -282,13 +280,7 @@ def figure(report: dict):
 def plot(report: dict, path: Path) -> Path | None:
     """The figure saved at `path` (PNG, 100 dpi); None, and no file, if there is nothing to draw."""
     fig = figure(report)
-    if fig is None:
-        return None
-    import matplotlib.pyplot as plt
-
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return figures.save(fig, path) if fig is not None else None
 
 
 def write_outputs(report: dict, out_dir: Path) -> list[Path]:

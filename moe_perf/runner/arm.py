@@ -22,12 +22,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
+from moe_perf.common.explain import explain_steps
 from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.command import arm_values, fill_env
-from moe_perf.launchers.process import LaunchResult, run_trainer, shown, trainer_env
-from moe_perf.report import explain
+from moe_perf.launchers.process import LaunchResult, run_trainer, trainer_env
+from moe_perf.logs import RunShape
+from moe_perf.logs.progress import shown
 from moe_perf.report import record as records
-from moe_perf.report.logformats import RunShape
 from moe_perf.report.sweep import Sweep
 from moe_perf.runner import build, build_isolation, dryrun, outputs, preflight, verify_imports
 from moe_perf.runner.job import Job, repeat_suffix, say, standalone_job
@@ -41,8 +42,8 @@ def arm_config(cfg: DictConfig, sweep: Sweep) -> dict:
     node.refs.base, node.refs.feat = sweep.refs["base"], sweep.refs["feat"]
     node.repo = sweep.repo
     node.data.root = str(preflight.corpus_root(cfg, Path(sweep.repo)))
-    if explain.explain_steps(cfg):  # the profiled steps after the measured ones
-        node.trainer.explain_steps = explain.explain_steps(cfg)
+    if explain_steps(cfg):  # the profiled steps after the measured ones
+        node.trainer.explain_steps = explain_steps(cfg)
     return OmegaConf.to_container(node, resolve=True)
 
 

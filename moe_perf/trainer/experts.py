@@ -13,7 +13,7 @@ from torch import nn
 
 from moe_perf.trainer.layers import init_generator, swiglu
 
-# The profiler span around the routed experts' compute: explain (report/explain.py) counts what
+# The profiler span around the routed experts' compute: explain (report/explain/) counts what
 # runs inside it, and its backward, as expert time.
 EXPERT_SCOPE = "moe_perf.experts"
 
@@ -30,9 +30,9 @@ def expert_scope() -> AbstractContextManager:
 
 # The experts' batched matmul as an op of its own, forward and backward: under torch.compile no
 # profiler scope survives, and a plain aten::bmm would be read as dense GEMM by explain=true
-# (report/explain.py tells expert GEMMs by a name with "grouped" or "expert" in it). Compiled
-# graphs call it like any aten op (inductor does not look inside; it would not fuse a bmm
-# either), and AOTAutograd's cache keeps graphs that hold it.
+# (report/explain/categories.py tells expert GEMMs by a name with "grouped" or "expert" in
+# it). Compiled graphs call it like any aten op (inductor does not look inside; it would not
+# fuse a bmm either), and AOTAutograd's cache keeps graphs that hold it.
 
 
 @torch.library.custom_op("moe_perf::expert_bmm", mutates_args=())
