@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
+from moe_perf.common.armcode import ArmCode
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks.armcode import ArmCode
 from moe_perf.frameworks.torchtitan import (
     MODELS,
     OFFLINE_ENV,

@@ -22,7 +22,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.runner import pairs
-from moe_perf.runner.callback import sweep_dir_of
+from moe_perf.runner.hydra_jobs import sweep_dir_of
 from moe_perf.runner.job import say
 
 
@@ -59,7 +59,7 @@ class PairsSweeper(Sweeper):
         plan = plan_for(sweep_plan, compare)
         if self.config.get("dry_run"):
             return self.dry_run(sweep_plan, plan)
-        sweep_dir = sweep_dir_of(self.config)
+        sweep_dir = sweep_dir_of(self.config.hydra)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         max_minutes = compare.get("max_minutes")

@@ -15,8 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moe_perf.common.armcode import ArmCode, visible_gpus
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks.armcode import ArmCode, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
 from moe_perf.report.explain import explain_steps
 

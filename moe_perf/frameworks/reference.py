@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from moe_perf.common.armcode import check_fp8_host
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks.armcode import check_fp8_host
 from moe_perf.frameworks.base import TrainerLaunch
 
 REFERENCE_COMMAND = ["-m", "moe_perf.trainer"]

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_perf.common.armcode import ArmCode, check_fp8_host, visible_gpus
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks.armcode import ArmCode, check_fp8_host, visible_gpus
 from moe_perf.frameworks.base import TrainerLaunch
 from moe_perf.report.explain import explain_steps
 from moe_perf.titan_entry import FORCED_ROUTING, ROUTER_MODULES

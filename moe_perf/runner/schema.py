@@ -192,7 +192,7 @@ class MoePerfConfig:
     timeout_s: float = knob(1800.0, above=0)
     dry_run: bool = False
     explain: bool = False
-    compile_cache: str = "auto"  # auto | off | a directory (moe_perf/frameworks/compile_cache.py)
+    compile_cache: str = "auto"  # auto | off | a directory (moe_perf/runner/compile_cache.py)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
