@@ -97,6 +97,17 @@ class DtypeConfig:
     name: str = knob("bf16", choices=("fp32", "bf16", "fp8"))  # fp8 = bf16 + float8 linears
     fp8: bool = False
 
+    @property
+    def float8(self) -> bool:
+        """Float8 linears (torchao): dtype=fp8, or fp8=true over another dtype."""
+        return self.fp8 or self.name == "fp8"
+
+    @property
+    def bf16_compute(self) -> bool:
+        """Matmuls and activations in bf16: dtype=bf16, and fp8 (bf16 around its float8
+        linears); fp32 computes in fp32."""
+        return self.name != "fp32"
+
 
 @dataclass
 class TrainingConfig:
@@ -256,7 +267,7 @@ class Config:
         micro-batch). The one rule of parallelize and the memory estimate."""
         if self.mesh_dims.dp_cp > 1:
             return False
-        if self.dtype.fp8 or self.dtype.name == "fp8":
+        if self.dtype.float8:
             return self.trainer.fp8_master_weights
         return self.dtype.name == "bf16"
 
