@@ -149,7 +149,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, l
             arm_dir=job.arm_dir,
             label=label,
             timeout_s=float(cfg.timeout_s),
-            kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
+            kill_grace_s=float(cfg.launcher.kill_grace_s),
             max_steps=int(cfg.training.max_steps),
             env={**threads.env, **launcher.env(cfg), **env},
             failure_reason=launcher.failure_reason,

@@ -253,7 +253,7 @@ class SweepSession:
         sweep_id = sweeps.new_sweep_id()
         self._lock(repo, sweep_id)
         try:
-            clean_up_dead_sweeps(repo, float(cfg.launcher.get("kill_grace_s", 10)))
+            clean_up_dead_sweeps(repo, float(cfg.launcher.kill_grace_s))
             outputs.check_outputs(repo, job.sweep_dir)
             refs = {"base": cfg.refs.base, "feat": cfg.refs.feat}
             shas = preflight.check_sweep(repo, refs)
