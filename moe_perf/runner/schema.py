@@ -1,9 +1,10 @@
 """The Hydra schema of the composed config, and the resolvers its YAML uses.
 
 The sections the trainer reads are the dataclasses of moe_perf/common/config.py, registered as
-they are: one set of fields, types, defaults and ranges. This module adds only what the runner
-alone reads (arm, refs, wandb, the root keys, a trainer option's launch keys, the launchers)
-and registers, on import (replace=True, so re-imports in tests are harmless):
+they are: one set of fields, types, defaults and ranges. A trainer option's schema is its
+adapter's (moe_perf/frameworks/), a launcher's its launcher's (moe_perf/launchers/). This module
+adds only what the runner alone reads (arm, refs, wandb, the root keys) and registers, on
+import (replace=True, so re-imports in tests are harmless):
 
 * `moe_perf_schema`, the root: `model`, `mesh`, `dtype`, `training`, `data` typed, so
   `model.num_experts=abc` fails at compose time with Hydra's message;
