@@ -181,7 +181,7 @@ missing="" BYTECODE=()
 if ! $DRY; then
   missing=$(fp8_missing)
   # where the arms keep Python's bytecode (compile_cache.bytecode_env), for bench_trainer.py too
-  mapfile -t BYTECODE < <("$PY" -c 'from moe_perf.frameworks.compile_cache import bytecode_env
+  mapfile -t BYTECODE < <("$PY" -c 'from moe_perf.runner.compile_cache import bytecode_env
 for k, v in bytecode_env().items(): print(f"{k}={v}")')
 fi
 for variant in "${STEP_ORDER[@]}"; do

@@ -8,6 +8,7 @@ git repositories and the real interpreter.
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import signal
@@ -413,6 +414,21 @@ def test_a_commits_worktree_lives_until_the_sweep_ends(tmp_path):
     clean_up_dead_sweeps(repo, 1.0)
     assert not left.exists()
     end_sweep(tmp_path / "sweep")  # nothing left to remove: no error
+
+
+def test_the_command_serves_one_session_to_its_task_and_callback():
+    """What main() serves is what the Hydra task and SweepStart get; none served (a job in a
+    process of its own) gets a new one, kept for that context; serving ends with its block."""
+
+    def in_a_fresh_context():
+        served = SweepSession()
+        with served.serving():
+            assert SweepSession.of_command() is served
+            assert SweepSession.of_command() is served  # the task's and the callback's
+        own = SweepSession.of_command()
+        assert own is not served and SweepSession.of_command() is own
+
+    contextvars.copy_context().run(in_a_fresh_context)
 
 
 def test_the_cache_key_follows_commit_command_and_toolchain(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 from helpers.command import assert_ok, moe_perf, sweep_dir
 from helpers.repos import copy_of_moe_perf, git
 
-from moe_perf.frameworks import compile_cache
+from moe_perf.runner import compile_cache
 
 LOSS = "    return F.cross_entropy(logits_BSV.flatten(0, 1).float(), labels_BS.flatten())\n"
 

@@ -210,6 +210,17 @@ def test_every_option_has_its_own_schema(group):
         overrides = [f"{group}={option}"] + (["trainer.command=[x]"] if option == "command" else [])
         node = composed(*overrides)[group]
         assert OmegaConf.get_type(node) is OPTION_SCHEMAS[group][option]
+        # the name's one home is the schema: the option file names its schema, never itself
+        assert node.name == option
+        assert "name" not in (OmegaConf.load(CONF / group / f"{option}.yaml") or {})
+
+
+def test_every_launcher_stops_an_arm_with_one_default_grace():
+    from moe_perf.launchers.base import KILL_GRACE_S
+
+    for option in options("launcher"):
+        assert composed(f"launcher={option}").launcher.kill_grace_s == KILL_GRACE_S
+        assert "kill_grace_s" not in OmegaConf.load(CONF / "launcher" / f"{option}.yaml")
 
 
 @pytest.mark.parametrize(

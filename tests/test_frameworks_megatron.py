@@ -20,8 +20,8 @@ import pytest
 from helpers.compose import composed as compose_config
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.megatron import Megatron, megatron_argv
+from moe_perf.runner import compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = sorted(p.stem for p in (ROOT / "conf" / "model").glob("*.yaml") if p.stem != "tiny")

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from helpers.compose import composed as compose_config
 
+from moe_perf.common.armcode import ArmCode
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks.armcode import ArmCode
 from moe_perf.frameworks.torchtitan import (
     MODELS,
     OFFLINE_ENV,

@@ -35,6 +35,7 @@ from hydra.core.utils import JobReturn
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.runner import preflight
+from moe_perf.runner.hydra_jobs import sweep_dir_of
 from moe_perf.runner.outputs import ignore_outputs
 
 try:  # the `slurm` extra; without it there is no launcher here (and no warning from Hydra's scan)
@@ -125,7 +126,7 @@ if SlurmLauncher is not None:
         ) -> Sequence[JobReturn]:
             job_cfgs = [self._job_config(overrides) for overrides in job_overrides]
             assert self.config is not None
-            sweep_dir = Path.cwd() / str(self.config.hydra.sweep.dir)  # absolute stays absolute
+            sweep_dir = sweep_dir_of(self.config.hydra)
             check_before_submitting(job_cfgs, initial_job_idx == 0, sweep_dir)
             returns: list[JobReturn] = []
             jobs = zip(job_overrides, job_cfgs, strict=True)

@@ -22,7 +22,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.runner import pairs
-from moe_perf.runner.callback import sweep_dir_of
+from moe_perf.runner.hydra_jobs import sweep_dir_of
 from moe_perf.runner.job import say
 
 
@@ -59,7 +59,7 @@ class PairsSweeper(Sweeper):
         plan = plan_for(sweep_plan, compare)
         # as the basic sweeper does (a dry run's is put back by the sweep's DryRunGuard): the
         # jobs read the sweep's arguments from it
-        sweep_dir = sweep_dir_of(self.config)
+        sweep_dir = sweep_dir_of(self.config.hydra)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / "multirun.yaml")
         if self.config.get("dry_run"):

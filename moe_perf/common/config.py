@@ -11,9 +11,9 @@
 Written for both readers: only field types OmegaConf's structured configs accept (int, float,
 bool, str, Optional[...] (not `X | None`, which OmegaConf does not read on every Python we
 support), list[...] with a default_factory, nested dataclasses; no Union of two types). A
-numeric knob carries its range (and a string its choices) in the field's metadata:
-`check_values` reads them, for the runner before launch and for the trainer at start-up, with
-one message per value that names the override.
+numeric knob carries its range (and a string its choices) in the field's metadata
+(common/bounds.py): `check_values` reads them, for the runner before launch and for the
+trainer at start-up, with one message per value that names the override.
 Overrides are `section.key=value` strings (value parsed as YAML), for tests and bench/.
 """
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
-from typing import Any, Optional, get_type_hints
+from typing import Any, Optional
 
 import yaml
 
 from moe_perf.common import routing as routing_plan
+from moe_perf.common.bounds import check_values, knob
 from moe_perf.common.mesh import MeshDims
 
 # Activation checkpointing: off, or every transformer block recomputed in backward.
@@ -37,75 +37,6 @@ AC_MODES = ("none", "full")
 
 class ConfigError(ValueError):
     """A config value the trainer cannot run with; the message names the key."""
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """The values a field may take: at least `min`, above `above`, at most `max`, or one of
-    `choices`. None (for an Optional field) is always allowed."""
-
-    min: float | None = None
-    above: float | None = None
-    max: float | None = None
-    choices: tuple = ()
-    why: str = ""  # the reason for the bound, shown with it
-
-    def problem(self, key: str, value: Any) -> str | None:
-        if value is None or self == Bounds():
-            return None
-        why = f" ({self.why})" if self.why else ""
-        if self.choices:
-            if value in self.choices:
-                return None
-            return (
-                f"{key}={value}: expected one of {', '.join(map(str, self.choices))}; change {key}"
-            )
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            return f"{key}={value!r} is not a number; change {key}"
-        rules = (
-            (self.min, ">=", lambda bound: value >= bound),
-            (self.above, ">", lambda bound: value > bound),
-            (self.max, "<=", lambda bound: value <= bound),
-        )
-        for bound, rule, holds in rules:
-            if bound is not None and not holds(bound):  # NaN fails every rule
-                return f"{key}={value} must be {rule} {bound:g}{why}; change {key}"
-        return None
-
-
-def knob(default: Any = dataclasses.MISSING, **bounds) -> Any:
-    """A dataclass field with its bounds (`knob(2048, min=1)`; no default: required)."""
-    return field(default=default, metadata={"bounds": Bounds(**bounds)})
-
-
-def check_values(cls: type, values: Any, section: str) -> list[str]:
-    """One message per value of `values` (a mapping or an instance of `cls`) outside its
-    field's bounds, nested dataclass sections included, keys as `section.key`."""
-    problems = []
-    for f in dataclasses.fields(cls):
-        bounds = f.metadata.get("bounds")
-        nested = _field_types(cls)[f.name]
-        nested = nested if isinstance(nested, type) and dataclasses.is_dataclass(nested) else None
-        if bounds is None and nested is None:
-            continue
-        if isinstance(values, Mapping):
-            if f.name not in values:
-                continue
-            value = values[f.name]
-        else:
-            value = getattr(values, f.name)
-        key = f"{section}.{f.name}" if section else f.name
-        problem = bounds.problem(key, value) if bounds is not None else None
-        if problem:
-            problems.append(problem)
-        if nested is not None and value is not None:
-            problems += check_values(nested, value, key)
-    return problems
-
-
-@cache
-def _field_types(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)  # the annotations are strings (from __future__ import annotations)
 
 
 @dataclass
@@ -165,6 +96,17 @@ class MeshConfig:
 class DtypeConfig:
     name: str = knob("bf16", choices=("fp32", "bf16", "fp8"))  # fp8 = bf16 + float8 linears
     fp8: bool = False
+
+    @property
+    def float8(self) -> bool:
+        """Float8 linears (torchao): dtype=fp8, or fp8=true over another dtype."""
+        return self.fp8 or self.name == "fp8"
+
+    @property
+    def bf16_compute(self) -> bool:
+        """Matmuls and activations in bf16: dtype=bf16, and fp8 (bf16 around its float8
+        linears); fp32 computes in fp32."""
+        return self.name != "fp32"
 
 
 @dataclass
@@ -325,7 +267,7 @@ class Config:
         micro-batch). The one rule of parallelize and the memory estimate."""
         if self.mesh_dims.dp_cp > 1:
             return False
-        if self.dtype.fp8 or self.dtype.name == "fp8":
+        if self.dtype.float8:
             return self.trainer.fp8_master_weights
         return self.dtype.name == "bf16"
 

@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass
 
 from moe_perf.common.config import Config, ModelConfig, skew_plan_of
+from moe_perf.common.mesh import MeshDims
 
 GIB = 2**30
 RUNTIME_BYTES = {"cpu": 0.35 * GIB, "cuda": 1.0 * GIB}
@@ -195,11 +196,22 @@ def received_share(cfg: Config) -> float:
     return skew_plan_of(cfg.routing, cfg.model, dims, cfg.training).rank_imbalance
 
 
+def bf16_copies(counts: list, dense: float, experts: float, dims: MeshDims) -> float:
+    """Bytes of the bf16 weight copies kept for backward: all of a part's outside FSDP (its
+    `dense` parameters, the embedding's lookup left out), else one gathered layer; the experts'
+    own unless EP's data-parallel groups shard them."""
+    if dims.dp_cp > 1:  # FSDP
+        copies = 2 * 2 * max((c.dense + c.experts / dims.ep for c in counts), default=0)
+    else:
+        copies = 2 * dense
+    return copies + (2 * experts / dims.ep if dims.edp == 1 else 0)
+
+
 def estimate(cfg: Config, device: str) -> MemoryEstimate:
     """The worst rank's peak, in bytes, of the reference trainer with `cfg` on `device`
     ("cpu" or "cuda")."""
     m, t, dims = cfg.model, cfg.training, cfg.mesh_dims
-    b = 4 if cfg.dtype.name == "fp32" else 2
+    b = 2 if cfg.dtype.bf16_compute else 4
     compiled = cfg.trainer.compile
     tokens = t.micro_batch * t.sequence_length // dims.cp
     n_micro = t.global_batch // (dims.dp * t.micro_batch)
@@ -226,12 +238,7 @@ def estimate(cfg: Config, device: str) -> MemoryEstimate:
         dense += m.vocab_size * m.hidden + m.hidden if last_stage else 0
         experts = sum(c.experts for c in counts)
         local = dense / dense_shard + experts / expert_shard
-        # bf16 copies kept for backward: all of a part outside FSDP, else one gathered layer
-        copies = 0.0
-        if b == 2:
-            biggest = max((c.dense + c.experts / dims.ep for c in counts), default=0)
-            copies += 2 * (dense - embedding if not fsdp else 2 * biggest)
-            copies += 2 * experts / dims.ep if dims.edp == 1 else 0
+        copies = bf16_copies(counts, dense - embedding, experts, dims) if b == 2 else 0.0
         saved = [layer_activation_bytes(m, i, tokens, b, compiled, r, received) for i in layers]
         if cfg.trainer.activation_checkpointing == "full":
             acts = len(saved) * 4 * tokens * m.hidden * in_flight + max(saved, default=0)

@@ -12,11 +12,10 @@ from moe_perf.frameworks.megatron import Megatron
 from moe_perf.frameworks.reference import ContractTrainer
 from moe_perf.frameworks.torchtitan import TorchTitan
 
+# the one registry of trainer adapters, by the name of each one's schema
+# (conf/trainer/<name>.yaml)
 FRAMEWORKS: dict[str, type] = {
-    "reference": ContractTrainer,
-    "command": CommandTrainer,
-    "torchtitan": TorchTitan,
-    "megatron": Megatron,
+    cls.name: cls for cls in (ContractTrainer, CommandTrainer, TorchTitan, Megatron)
 }
 
 __all__ = ["FRAMEWORKS", "Framework", "TrainerLaunch", "get"]

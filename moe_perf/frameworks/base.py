@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from moe_perf.common.bounds import knob
+
 
 @dataclass(frozen=True)
 class TrainerLaunch:
@@ -22,8 +24,21 @@ class TrainerLaunch:
     log_format: str = "contract"
 
 
+@dataclass
+class BuildKeys:
+    """Every trainer option's build step: a command run in the arm's worktree before its
+    launch, once per commit (moe_perf/runner/build.py, docs/build.md)."""
+
+    build: list[str] = field(default_factory=list)  # empty: nothing to build
+    build_cache: str = "off"  # off | auto | a directory: reuse builds across sweeps
+    build_timeout_s: float = knob(3600.0, above=0)
+    # modules whose file and hash each arm's record names (the trainer's own package always)
+    verify_imports: list[str] = field(default_factory=list)
+
+
 class Framework(Protocol):
-    name: str
+    name: str  # trainer=<name>: its schema's `name`
+    schema: type  # the option's Hydra schema (a dataclass with BuildKeys' fields)
 
     def check(self, cfg: Any, repo: Path) -> None:
         """Raises PrerequisiteError (one line, naming the setting) before anything launches."""

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks.base import TrainerLaunch
+from moe_perf.frameworks.base import BuildKeys, TrainerLaunch
 from moe_perf.logs import line_parser
 
 # `{mesh.pp}`; braces around anything else (`{"a": 1}`) are left as they are
@@ -74,8 +75,18 @@ def fill_env(env: dict[str, str], cfg: Any, arm: dict[str, str]) -> dict[str, st
     return {name: fill([value], cfg, arm, f"trainer.env.{name}")[0] for name, value in env.items()}
 
 
+@dataclass
+class CommandTrainerSchema(BuildKeys):
+    name: str = "command"
+    command: list[str] = MISSING
+    log_format: str = "contract"
+    env: dict[str, Any] = field(default_factory=dict)
+    code_path: Optional[str] = None  # noqa: UP045
+
+
 class CommandTrainer:
-    name = "command"
+    schema = CommandTrainerSchema
+    name = schema.name
 
     def check(self, cfg: Any, repo: Path) -> None:
         command = list(cfg.trainer.get("command") or [])

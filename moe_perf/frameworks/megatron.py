@@ -12,13 +12,15 @@ sliding window and sinks) it runs what the reference trainer runs (the preset's
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from moe_perf.common.armcode import ArmCode, visible_gpus
+from moe_perf.common.bounds import knob
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.common.explain import explain_steps
-from moe_perf.frameworks.armcode import ArmCode, visible_gpus
-from moe_perf.frameworks.base import TrainerLaunch
+from moe_perf.frameworks.base import BuildKeys, TrainerLaunch
 
 # Megatron's names for the presets' load-balancing losses (a forced balance makes them moot,
 # but an unforced run trains with them)
@@ -190,8 +192,19 @@ def megatron_argv(cfg: Any, arm_dir: Path | None = None) -> list[str]:
     return argv + [str(arg) for arg in cfg.trainer.get("extra_args") or []]
 
 
+@dataclass
+class MegatronTrainerSchema(BuildKeys):
+    name: str = "megatron"
+    code_path: Optional[str] = "megatron"  # noqa: UP045
+    script: str = "pretrain_gpt.py"
+    transformer_impl: str = knob("transformer_engine", choices=("transformer_engine", "local"))
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, Any] = field(default_factory=dict)
+
+
 class Megatron:
-    name = "megatron"
+    schema = MegatronTrainerSchema
+    name = schema.name
 
     def check(self, cfg: Any, repo: Path) -> None:
         routing_flags(cfg)  # routing=skew is refused here, before launch

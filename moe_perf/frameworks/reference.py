@@ -4,25 +4,37 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from moe_perf.common.armcode import check_fp8_host
+from moe_perf.common.config import TrainerConfig
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.frameworks.armcode import check_fp8_host
-from moe_perf.frameworks.base import TrainerLaunch
+from moe_perf.frameworks.base import BuildKeys, TrainerLaunch
 
 REFERENCE_COMMAND = ["-m", "moe_perf.trainer"]
+
+
+@dataclass
+class ReferenceTrainerSchema(TrainerConfig, BuildKeys):
+    """The reference trainer's knobs plus how the runner launches it."""
+
+    command: list[str] = field(default_factory=lambda: list(REFERENCE_COMMAND))
+    code_path: Optional[str] = "moe_perf/trainer"  # noqa: UP045
+    env: dict[str, Any] = field(default_factory=dict)
 
 
 def runs_reference_trainer(cfg: Any) -> bool:
     """Whether the arms run moe_perf's own trainer: `trainer=reference` with its command (the
     same adapter runs any contract trainer given by `trainer.command`)."""
     command = [str(part) for part in cfg.trainer.get("command") or []]
-    return str(cfg.trainer.name) == "reference" and command == REFERENCE_COMMAND
+    return str(cfg.trainer.name) == ReferenceTrainerSchema.name and command == REFERENCE_COMMAND
 
 
 class ContractTrainer:
-    name = "reference"
+    schema = ReferenceTrainerSchema
+    name = schema.name
 
     def check(self, cfg: Any, repo: Path) -> None:
         if not list(cfg.trainer.command or []):

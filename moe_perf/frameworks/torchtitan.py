@@ -17,14 +17,15 @@ appended last, so it can override any of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from moe_perf.common.armcode import ArmCode, check_fp8_host, visible_gpus
+from moe_perf.common.bounds import knob
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.common.explain import explain_steps
-from moe_perf.frameworks.armcode import ArmCode, check_fp8_host, visible_gpus
-from moe_perf.frameworks.base import TrainerLaunch
+from moe_perf.frameworks.base import BuildKeys, TrainerLaunch
 from moe_perf.titan_entry import FORCED_ROUTING, ROUTER_MODULES
 
 TOML_CLI = "0.2"  # JobConfig + TOML, --model.name/--model.flavor
@@ -309,8 +310,26 @@ def skew_entry_args(cfg: Any) -> list[str]:
             "--skew-experts", str(m.num_experts), "--skew-top-k", str(m.top_k)]  # fmt: skip
 
 
+@dataclass
+class TorchtitanTrainerSchema(BuildKeys):
+    name: str = "torchtitan"
+    code_path: Optional[str] = "torchtitan"  # noqa: UP045
+    model_name: Optional[str] = None  # noqa: UP045
+    flavor: Optional[str] = None  # noqa: UP045
+    config: Optional[str] = None  # noqa: UP045
+    job_config: Optional[str] = None  # noqa: UP045
+    tokenizer: str = "tests/assets/tokenizer"
+    dataset: str = "c4_test"
+    dataset_path: Optional[str] = "tests/assets/c4_test"  # noqa: UP045
+    compile: bool = False
+    activation_checkpointing: str = knob("none", choices=("none", "selective", "full"))
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, Any] = field(default_factory=dict)
+
+
 class TorchTitan:
-    name = "torchtitan"
+    schema = TorchtitanTrainerSchema
+    name = schema.name
 
     def check(self, cfg: Any, repo: Path) -> None:
         model, _ = titan_model(cfg)

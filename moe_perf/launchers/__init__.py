@@ -9,7 +9,8 @@ from moe_perf.launchers.base import Launcher
 from moe_perf.launchers.local import LocalLauncher
 from moe_perf.launchers.slurm import SlurmLauncher
 
-LAUNCHERS: dict[str, type] = {"local": LocalLauncher, "slurm": SlurmLauncher}
+# the one registry of launchers, by the name of each one's schema (conf/launcher/<name>.yaml)
+LAUNCHERS: dict[str, type] = {cls.name: cls for cls in (LocalLauncher, SlurmLauncher)}
 
 
 def get(cfg: Any) -> Launcher:

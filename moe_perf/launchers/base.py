@@ -12,12 +12,30 @@ from __future__ import annotations
 import socket
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from omegaconf import MISSING
+
+from moe_perf.common.bounds import knob
+
+# launcher.kill_grace_s's default: seconds between SIGTERM and SIGKILL when an arm is stopped
+# (timeout, Ctrl-C), and when a dead sweep's leftovers are stopped
+KILL_GRACE_S = 10.0
+
+
+@dataclass
+class LauncherSchema:
+    """What every launcher option has (its own schema adds the rest)."""
+
+    name: str = MISSING  # launcher=<name>
+    kill_grace_s: float = knob(KILL_GRACE_S, min=0)
+
 
 class Launcher(Protocol):
-    name: str
+    name: str  # launcher=<name>: its schema's `name`
+    schema: type  # the option's Hydra schema (a LauncherSchema)
 
     def check(self, cfg: Any, *, submitting: bool = False) -> None:
         """Raises PrerequisiteError when this launcher cannot run the arm from here.

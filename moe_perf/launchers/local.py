@@ -11,15 +11,22 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.launchers.base import free_port, one_process_env, torchrun_argv
+from moe_perf.launchers.base import LauncherSchema, free_port, one_process_env, torchrun_argv
+
+
+@dataclass
+class LocalLauncherSchema(LauncherSchema):
+    name: str = "local"
 
 
 class LocalLauncher:
-    name = "local"
+    schema = LocalLauncherSchema
+    name = schema.name
 
     def check(self, cfg: Any, *, submitting: bool = False) -> None:
         if int(cfg.mesh.nnodes) != 1:

@@ -1,14 +1,12 @@
 """Run one arm's launch: stream and save its output, the timeout, and stop every process it
-started (Ctrl-C, SIGTERM, timeout). The same for every launcher: a launcher only builds the
-argument list (launchers/local.py, launchers/slurm.py).
+started (Ctrl-C, SIGTERM, timeout: launchers/stopping.py). The same for every launcher: a
+launcher only builds the argument list (launchers/local.py, launchers/slurm.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +19,7 @@ from typing import TextIO
 
 from moe_perf.launchers.failures import LaunchFailure, describe, read_failure
 from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
+from moe_perf.launchers.stopping import stop_launch
 from moe_perf.logs import LogReader, ParsedLog, RunShape, TeeLines
 from moe_perf.logs.progress import StepProgress, UnmatchedLines
 
@@ -136,102 +135,6 @@ class _Pump:
         self.echo.flush()
 
 
-# ---- processes -------------------------------------------------------------------------------
-
-
-def _processes_with_token(token: str) -> set[int]:
-    """Pids whose environment carries this launch's token (Linux /proc)."""
-    needle = f"{LAUNCH_TOKEN_ENV}={token}".encode()
-    pids = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                pids.add(int(entry.name))
-        except OSError:
-            continue  # gone, or not ours
-    return pids
-
-
-def _signal_all(proc: subprocess.Popen, pids: set[int], sig: int) -> None:
-    if proc.poll() is None:  # never signal a group id that a finished torchrun has released
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, sig)  # torchrun's own group (start_new_session)
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-class _Escalation:
-    """While an interrupted arm is being stopped, a second Ctrl-C (or SIGTERM) means "kill it
-    now", never "leave it running": the signal sets a flag instead of raising."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> _Escalation:
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._request)
-        return self
-
-    def _request(self, signum, frame) -> None:
-        self.requested = True
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _launch_gone(proc: subprocess.Popen, token: str) -> bool:
-    return proc.poll() is not None and not _processes_with_token(token)
-
-
-def stop_launch(proc: subprocess.Popen, token: str, grace_s: float,
-                notify: Callable[[str], None] | None = None) -> bool:  # fmt: skip
-    """SIGTERM to torchrun's group and every process of this launch, SIGKILL after `grace_s`
-    or at a Ctrl-C meanwhile; returns only when no process of the launch is left, True when
-    a Ctrl-C (or SIGTERM) came while it waited (the caller decides what that stops).
-
-    torchrun forwards SIGTERM to its workers; whatever is still there after the grace period
-    (a hung collective, a trainer that ignores SIGTERM) is killed. `notify` is told what
-    happens while it takes long (an interrupted sweep's console).
-    """
-    pids = _processes_with_token(token)
-    if proc.poll() is not None and not pids:
-        return False
-    with _Escalation() as escalation:
-        _signal_all(proc, pids, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and not escalation.requested:
-            if _launch_gone(proc, token):
-                return False
-            time.sleep(0.1)
-        if not _launch_gone(proc, token):
-            if notify:
-                why = f"still up after {grace_s:g} s"
-                why = "interrupted again" if escalation.requested else why
-                notify(f"{why}: SIGKILL sent to the arm's processes; waiting until they are gone")
-            _kill(proc, token, notify)
-    return escalation.requested
-
-
-def _kill(proc: subprocess.Popen, token: str, notify: Callable[[str], None] | None) -> None:
-    """SIGKILL until no process of the launch is left. SIGKILLed workers are re-parented to
-    init and reaped there; one in an uninterruptible wait (a driver call) dies when that
-    returns: wait for it, and say so every 10 s."""
-    waited = 0.0
-    while not _launch_gone(proc, token):
-        _signal_all(proc, _processes_with_token(token), signal.SIGKILL)
-        time.sleep(0.2)
-        waited += 0.2
-        if notify and waited >= 10 and waited % 10 < 0.2:
-            left = " ".join(map(str, sorted(_processes_with_token(token))))
-            notify(f"still waiting for pid(s) {left or proc.pid} to exit after SIGKILL")
-
-
 def failure_of(exit_code: int | None, timed_out: bool, timeout_s: float, parsed: ParsedLog,
                max_steps: int, launch: LaunchFailure) -> str | None:  # fmt: skip
     if timed_out:
@@ -278,49 +181,12 @@ def run_trainer(
     with open(console_log, "w", encoding="utf-8") as log:
         log.write("# " + " ".join(argv) + "\n")
         start = time.perf_counter()
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=trainer_env(cwd, arm_dir, token, env, repo),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            # one process: its own two streams in one pipe keep their order; torchrun's
-            # tees: one pipe each (_Pump)
-            stderr=subprocess.STDOUT if one_process else subprocess.PIPE,
-            text=True,
-            errors="replace",
-            bufsize=1,
-            start_new_session=True,  # Ctrl-C reaches us only; we stop the launch ourselves
-        )
+        proc = _popen(argv, cwd, trainer_env(cwd, arm_dir, token, env, repo), one_process)
         reader = LogReader(log_format, shape)
         streams = [proc.stdout] if one_process else [proc.stdout, proc.stderr]
         pump = _Pump(streams, log, label, echo, reader, max_steps)
         pump.start()
-        # The wait runs in a thread and this one joins it: a Ctrl-C landing inside
-        # Popen.wait() itself, between its taking of the waitpid lock and the try that
-        # releases it, leaves the lock held, and every poll() after it answers "running" for a
-        # trainer that has exited (seen once: the sweep then waited forever on a zombie).
-        # Thread.join releases what it holds when interrupted.
-        waiter = threading.Thread(target=proc.wait, name=f"wait-{label}", daemon=True)
-        waiter.start()
-        timed_out = False
-        try:
-            waiter.join(timeout_s)
-            if waiter.is_alive():
-                timed_out = True
-                if stop_launch(proc, token, kill_grace_s):
-                    raise KeyboardInterrupt("Ctrl-C while a timed-out arm was stopped")
-            waiter.join()
-            exit_code = proc.returncode
-        except BaseException as exc:
-            pump.quiet = True  # torchrun's traceback of the signal: console.log only
-            if isinstance(exc, KeyboardInterrupt):
-                notify(f"interrupted: stopping the arm (SIGTERM to its processes); waiting up to "
-                       f"{kill_grace_s:g} s (launcher.kill_grace_s) for them to exit, then "
-                       f"SIGKILL; Ctrl-C again to SIGKILL now")  # fmt: skip
-            stop_launch(proc, token, kill_grace_s, notify)
-            pump.join(timeout=5)
-            raise
+        exit_code, timed_out = _wait(proc, pump, label, token, timeout_s, kill_grace_s, notify)
         wall_s = time.perf_counter() - start
         if stop_launch(proc, token, kill_grace_s):  # stray workers of a finished launch, if any
             raise KeyboardInterrupt("Ctrl-C while a finished arm's workers were stopped")
@@ -337,6 +203,54 @@ def run_trainer(
     trainer_code = launch.exit_code if launch.exit_code is not None else exit_code
     return LaunchResult(trainer_code, failure, parsed.steps, reader.env, round(wall_s, 3),
                         parsed.log_format, parsed.derivations, exit_code, timed_out)  # fmt: skip
+
+
+def _popen(argv: list[str], cwd: Path, env: dict[str, str], one_process: bool) -> subprocess.Popen:
+    return subprocess.Popen(
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        # one process: its own two streams in one pipe keep their order; torchrun's
+        # tees: one pipe each (_Pump)
+        stderr=subprocess.STDOUT if one_process else subprocess.PIPE,
+        text=True,
+        errors="replace",
+        bufsize=1,
+        start_new_session=True,  # Ctrl-C reaches us only; we stop the launch ourselves
+    )
+
+
+def _wait(proc: subprocess.Popen, pump: _Pump, label: str, token: str, timeout_s: float,
+          kill_grace_s: float, notify: Callable[[str], None]) -> tuple[int, bool]:  # fmt: skip
+    """(the launch's exit code, whether it timed out): the launch stopped at its timeout, and
+    on Ctrl-C (re-raised once every process of the launch is gone)."""
+    # The wait runs in a thread and this one joins it: a Ctrl-C landing inside
+    # Popen.wait() itself, between its taking of the waitpid lock and the try that
+    # releases it, leaves the lock held, and every poll() after it answers "running" for a
+    # trainer that has exited (seen once: the sweep then waited forever on a zombie).
+    # Thread.join releases what it holds when interrupted.
+    waiter = threading.Thread(target=proc.wait, name=f"wait-{label}", daemon=True)
+    waiter.start()
+    timed_out = False
+    try:
+        waiter.join(timeout_s)
+        if waiter.is_alive():
+            timed_out = True
+            if stop_launch(proc, token, kill_grace_s):
+                raise KeyboardInterrupt("Ctrl-C while a timed-out arm was stopped")
+        waiter.join()
+        return proc.returncode, timed_out
+    except BaseException as exc:
+        pump.quiet = True  # torchrun's traceback of the signal: console.log only
+        if isinstance(exc, KeyboardInterrupt):
+            notify(f"interrupted: stopping the arm (SIGTERM to its processes); waiting up to "
+                   f"{kill_grace_s:g} s (launcher.kill_grace_s) for them to exit, then "
+                   f"SIGKILL; Ctrl-C again to SIGKILL now")  # fmt: skip
+        stop_launch(proc, token, kill_grace_s, notify)
+        pump.join(timeout=5)
+        raise
 
 
 # ---- a command before the launch (a build step) ----------------------------------------------

@@ -24,11 +24,13 @@ import re
 import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+from moe_perf.common.bounds import knob
 from moe_perf.common.errors import PrerequisiteError
-from moe_perf.launchers.base import free_port, torchrun_argv
+from moe_perf.launchers.base import LauncherSchema, free_port, torchrun_argv
 
 
 class SlurmLaunchError(RuntimeError):
@@ -237,10 +239,23 @@ def failure_reason(returncode: int, console_tail: str) -> str | None:
     return None
 
 
+@dataclass
+class SlurmLauncherSchema(LauncherSchema):
+    name: str = "slurm"
+    time_limit_min: Optional[int] = knob(None, min=1)  # noqa: UP045
+    cpus_per_task: Optional[int] = knob(None, min=1)  # noqa: UP045
+    gpus_per_node: Optional[int] = knob(None, min=0)  # noqa: UP045
+    rdzv_port: Optional[int] = knob(None, min=1, max=65535)  # noqa: UP045
+    extra_args: list[str] = field(default_factory=list)
+    srun: str = "srun"  # the srun executable (tests point it at a wrapper)
+    build_on_every_node: bool = False  # trainer.build once per node, not once (docs/build.md)
+
+
 class SlurmLauncher:
     """`launcher=slurm`: the torchrun launch as one srun step over the mesh's nodes."""
 
-    name = "slurm"
+    schema = SlurmLauncherSchema
+    name = schema.name
 
     def check(self, cfg: Any, *, submitting: bool = False) -> None:
         try:

@@ -24,6 +24,7 @@ from pathlib import Path
 from moe_perf.common.config import ConfigError, config_from_dict, skew_plan_of
 from moe_perf.common.routing import RoutingError, imbalance_text
 from moe_perf.report import figures
+from moe_perf.report.colours import arm_colour
 from moe_perf.report.record import IMBALANCE_METRICS
 
 PLOT_NAME = "comparison_imbalance.png"
@@ -190,8 +191,6 @@ def _requested(group: dict) -> float:
 def _draw(ax, groups: list[dict], key: str, label: str) -> None:
     """Each arm's median (of run medians) against the requested imbalance, its min-max
     spread over runs shaded."""
-    from moe_perf.report.render import _arm_colour
-
     arms = sorted({a for g in groups for a in g["arms"]}, key=lambda a: (a != "base", a))
     for arm in arms:
         points = [(_requested(g), g["arms"][arm].get(key), g["arms"][arm]["runs_ok"])
@@ -201,11 +200,11 @@ def _draw(ax, groups: list[dict], key: str, label: str) -> None:
             continue
         xs = [x for x, _, _ in points]
         runs = max(n for _, _, n in points)
-        ax.plot(xs, [s["median"] for _, s, _ in points], marker="o", color=_arm_colour(arm),
+        ax.plot(xs, [s["median"] for _, s, _ in points], marker="o", color=arm_colour(arm),
                 label=f"{arm} (median of {runs} run(s))" if runs > 1 else arm)  # fmt: skip
         if runs > 1:
             ax.fill_between(xs, [s["min"] for _, s, _ in points],
-                            [s["max"] for _, s, _ in points], color=_arm_colour(arm),
+                            [s["max"] for _, s, _ in points], color=arm_colour(arm),
                             alpha=0.15, label=f"{arm} min-max of runs")  # fmt: skip
     ax.set_xticks(sorted({_requested(g) for g in groups}))
     ax.set_xlabel("routing.imbalance (busiest expert / mean)")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moe_perf.report import figures, imbalance, render_explain
+from moe_perf.report.colours import arm_colour
 from moe_perf.report.record import ARMS, strict_json
 from moe_perf.stats.verdict import Verdict, describe
 
@@ -183,17 +184,12 @@ def verdict(group: dict) -> str:
 
 # ---- the picture -----------------------------------------------------------------------------
 
-_ARM_COLOURS = {"base": "tab:blue", "feat": "tab:orange"}  # neutral: no good/bad colours
 _REPEAT_MARKERS = "os^Dv<>PX*"
 
 
 def _figure(value: float) -> str:
     """`45,480` or `0.2208`: whole numbers above a thousand, four significant digits below."""
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-
-
-def _arm_colour(arm: str) -> str:
-    return _ARM_COLOURS.get(arm, "tab:gray")
 
 
 def _title(group: dict) -> str:
@@ -211,18 +207,18 @@ def _draw_steps(ax, group: dict) -> None:
         label = f"{run['arm']} r{run['repeat']}" + ("" if ok else " FAILED")
         marker = _REPEAT_MARKERS[int(run["repeat"] or 0) % len(_REPEAT_MARKERS)]
         if not points:
-            ax.plot([], [], color=_arm_colour(run["arm"]), marker="x", ls="none",
+            ax.plot([], [], color=arm_colour(run["arm"]), marker="x", ls="none",
                     label=label + " (no steps)")  # fmt: skip
             continue
         xs, ys = zip(*points, strict=True)
         style = {"marker": marker, "ls": "-", "alpha": 0.75} if ok else {
             "marker": "x", "ls": ":", "alpha": 0.5}  # fmt: skip
-        ax.plot(xs, ys, color=_arm_colour(run["arm"]), ms=5, lw=1, label=label, **style)
+        ax.plot(xs, ys, color=arm_colour(run["arm"]), ms=5, lw=1, label=label, **style)
     for name, arm in group["arms"].items():
         stat = arm.get("step_time_s")
         if not stat:
             continue
-        colour = _arm_colour(name)
+        colour = arm_colour(name)
         ax.axhline(stat["median"], color=colour, lw=2.2, alpha=0.9,
                    label=f"{name} median {stat['median']:.4g} s")  # fmt: skip
         if arm["runs_ok"] > 1:
@@ -239,7 +235,7 @@ def _draw_per_arm(ax, group: dict, key: str, label: str) -> None:
     """One bar per arm at its median (of run medians), every run as a dot, failures named."""
     names = list(group["arms"])
     for i, name in enumerate(names):
-        arm, colour = group["arms"][name], _arm_colour(name)
+        arm, colour = group["arms"][name], arm_colour(name)
         stat = arm.get(key)
         if stat:
             ax.bar(i, stat["median"], color=colour, alpha=0.45, width=0.6)

@@ -21,16 +21,23 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf import frameworks, launchers
-from moe_perf.common.errors import PrerequisiteError
+from moe_perf.common.errors import REFUSED, PrerequisiteError
 from moe_perf.common.explain import explain_steps
-from moe_perf.frameworks import compile_cache
 from moe_perf.frameworks.command import arm_values, fill_env
 from moe_perf.launchers.process import LaunchResult, run_trainer, trainer_env
 from moe_perf.logs import RunShape
 from moe_perf.logs.progress import shown
 from moe_perf.report import record as records
 from moe_perf.report.sweep import Sweep
-from moe_perf.runner import build, build_isolation, dryrun, outputs, preflight, verify_imports
+from moe_perf.runner import (
+    build,
+    build_isolation,
+    compile_cache,
+    dryrun,
+    outputs,
+    preflight,
+    verify_imports,
+)
 from moe_perf.runner.job import Job, repeat_suffix, say, standalone_job
 from moe_perf.runner.progress import RankThreads, arm_count, starting_line
 from moe_perf.runner.session import SweepSession
@@ -143,7 +150,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, l
             arm_dir=job.arm_dir,
             label=label,
             timeout_s=float(cfg.timeout_s),
-            kill_grace_s=float(cfg.launcher.get("kill_grace_s", 10)),
+            kill_grace_s=float(cfg.launcher.kill_grace_s),
             max_steps=int(cfg.training.max_steps),
             env={**threads.env, **launcher.env(cfg), **env},
             failure_reason=launcher.failure_reason,
@@ -250,8 +257,7 @@ def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSessi
     return record
 
 
-def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = None,
-            check_all_jobs=None) -> dict:  # fmt: skip
+def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = None) -> dict:
     """Runs one arm (one Hydra job) and returns its record (also written to metrics.json).
 
     Raises SystemExit(2) with a printed message when a prerequisite fails (nothing launched,
@@ -264,15 +270,16 @@ def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = Non
     dry_run = bool(cfg.get("dry_run", False))
     try:
         preflight.check_config(cfg)  # before the sweep takes a lock or writes anything
-        sweep = session.sweep_for(cfg, job, check_all_jobs)
-        preflight.check_job(cfg, Path(sweep.repo))
+        sweep = session.sweep_for(cfg, job)
+        if not session.has_checked(job):  # a job that joined a sweep started before it
+            preflight.check_job(cfg, Path(sweep.repo))
         dryrun.check_host(cfg, dry_run)
     except PrerequisiteError as err:
         outputs.remove_empty_dirs(job.arm_dir, stop=job.sweep_dir.parent)
         say(f"cannot run: {err}", sys.stderr)
         say("nothing was launched" + (": the sweep is stopped" if job.multirun else ""), sys.stderr)
         session.end()  # the worktrees of the sweep's earlier arms, if any
-        raise SystemExit(2) from None
+        raise SystemExit(REFUSED) from None
     if dry_run:
         label = f"{cfg.arm.name}{repeat_suffix(cfg.repeat, job.overrides)}"
         try:

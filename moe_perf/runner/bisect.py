@@ -26,12 +26,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from moe_perf.common.errors import PrerequisiteError
+from moe_perf.common.errors import REFUSED, PrerequisiteError
 from moe_perf.runner import git, outputs, preflight
 from moe_perf.runner.job import say
 
 DIFFERENT, SAME = "DIFFERENT", "SAME"
-REFUSED = 2  # the command's exit code when a prerequisite fails before anything launches
 MAX_EFFECT = 0.5  # a probe's effect at most: half of a regression that doubled the step
 BISECT_DIR = Path("outputs/bisect")
 USAGE = "python -m moe_perf bisect GOOD BAD [overrides, e.g. model=... mesh=...]"

@@ -231,7 +231,7 @@ def run_build(arm: ArmBuild, cache: dict | None) -> dict:
         log_path=log,
         label=f"{arm.label} build",
         timeout_s=arm.step.timeout_s,
-        kill_grace_s=float(arm.cfg.launcher.get("kill_grace_s", 10)),
+        kill_grace_s=float(arm.cfg.launcher.kill_grace_s),
         env={**arm.env, "PATH": _path(arm)},
         repo=Path(arm.sweep.repo),
     )

@@ -33,9 +33,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from moe_perf.frameworks.armcode import gpu_compute_capabilities
-from moe_perf.frameworks.compile_cache import moe_perf_cache
+from moe_perf.common.armcode import gpu_compute_capabilities
 from moe_perf.runner import git
+from moe_perf.runner.compile_cache import moe_perf_cache
 
 # Variables that change what a C++/CUDA build produces (the trainer's env is keyed whole).
 BUILD_VARIABLES = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "CUDA_HOME",

@@ -23,9 +23,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from moe_perf.common.errors import ARM_FAILED
+from moe_perf.runner.hydra_jobs import sweep_dir_of
 from moe_perf.runner.session import end_sweep
-
-ARM_FAILED = 3  # the command's exit code when the sweep ran and at least one arm failed
 
 
 def written_files(report: dict, sweep_dir: Path) -> list[str]:
@@ -47,15 +47,6 @@ def written_files(report: dict, sweep_dir: Path) -> list[str]:
     return lines
 
 
-def sweep_dir_of(config: DictConfig) -> Path:
-    """The sweep directory as an absolute path (a relative one is relative to the launch cwd)."""
-    sweep_dir = Path(str(config.hydra.sweep.dir))
-    if sweep_dir.is_absolute():
-        return sweep_dir
-    cwd = OmegaConf.select(config, "hydra.runtime.cwd", default=None)
-    return (Path(cwd) if cwd else Path.cwd()) / sweep_dir
-
-
 class CompareCallback(Callback):
     """Prints (and writes into the sweep dir) the comparison of every arm of the sweep."""
 
@@ -69,7 +60,7 @@ class CompareCallback(Callback):
                   flush=True)  # fmt: skip
             return
         try:
-            sweep_dir = sweep_dir_of(config)
+            sweep_dir = sweep_dir_of(config.hydra)
             end_sweep(sweep_dir)  # the sweep's worktrees go, with what was built in them
             # Imported here: the comparison pulls in matplotlib, which the jobs never need.
             from moe_perf.report.comparison import compare_sweep

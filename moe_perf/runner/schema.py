@@ -1,9 +1,10 @@
 """The Hydra schema of the composed config, and the resolvers its YAML uses.
 
 The sections the trainer reads are the dataclasses of moe_perf/common/config.py, registered as
-they are: one set of fields, types, defaults and ranges. This module adds only what the runner
-alone reads (arm, refs, wandb, the root keys, a trainer option's launch keys, the launchers)
-and registers, on import (replace=True, so re-imports in tests are harmless):
+they are: one set of fields, types, defaults and ranges. A trainer option's schema is its
+adapter's (moe_perf/frameworks/), a launcher's its launcher's (moe_perf/launchers/). This module
+adds only what the runner alone reads (arm, refs, wandb, the root keys) and registers, on
+import (replace=True, so re-imports in tests are harmless):
 
 * `moe_perf_schema`, the root: `model`, `mesh`, `dtype`, `training`, `data` typed, so
   `model.num_experts=abc` fails at compose time with Hydra's message;
@@ -28,19 +29,20 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from moe_perf import frameworks, launchers
 from moe_perf.common.config import (
     DataConfig,
     DtypeConfig,
     MeshConfig,
     ModelConfig,
     RoutingConfig,
-    TrainerConfig,
     TrainingConfig,
     check_values,
     knob,
 )
 from moe_perf.common.mesh import MeshDims, MeshError
 from moe_perf.common.routing import tag_suffix
+from moe_perf.frameworks.reference import ReferenceTrainerSchema as ReferenceTrainerSchema
 from moe_perf.runner import git, presets
 from moe_perf.runner.job import repeat_suffix
 from moe_perf.stats.verdict import DEFAULT_MAX_PAIRS, MEMORY_TOLERANCE, Plan
@@ -79,96 +81,11 @@ class CompareConfig:
     memory_tolerance: float = knob(MEMORY_TOLERANCE, min=0, max=1)
 
 
-# --- trainer options: what the runner's adapter reads (moe_perf/frameworks/) -----------------
-
-
-@dataclass
-class BuildKeys:
-    """Every trainer option's build step: a command run in the arm's worktree before its
-    launch, once per commit (moe_perf/runner/build.py, docs/build.md)."""
-
-    build: list[str] = field(default_factory=list)  # empty: nothing to build
-    build_cache: str = "off"  # off | auto | a directory: reuse builds across sweeps
-    build_timeout_s: float = knob(3600.0, above=0)
-    # modules whose file and hash each arm's record names (the trainer's own package always)
-    verify_imports: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ReferenceTrainerSchema(TrainerConfig, BuildKeys):
-    """The reference trainer's knobs plus how the runner launches it."""
-
-    command: list[str] = field(default_factory=lambda: ["-m", "moe_perf.trainer"])
-    code_path: Optional[str] = "moe_perf/trainer"  # noqa: UP045
-    env: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class CommandTrainerSchema(BuildKeys):
-    name: str = "command"
-    command: list[str] = MISSING
-    log_format: str = "contract"
-    env: dict[str, Any] = field(default_factory=dict)
-    code_path: Optional[str] = None  # noqa: UP045
-
-
-@dataclass
-class TorchtitanTrainerSchema(BuildKeys):
-    name: str = "torchtitan"
-    code_path: Optional[str] = "torchtitan"  # noqa: UP045
-    model_name: Optional[str] = None  # noqa: UP045
-    flavor: Optional[str] = None  # noqa: UP045
-    config: Optional[str] = None  # noqa: UP045
-    job_config: Optional[str] = None  # noqa: UP045
-    tokenizer: str = "tests/assets/tokenizer"
-    dataset: str = "c4_test"
-    dataset_path: Optional[str] = "tests/assets/c4_test"  # noqa: UP045
-    compile: bool = False
-    activation_checkpointing: str = knob("none", choices=("none", "selective", "full"))
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class MegatronTrainerSchema(BuildKeys):
-    name: str = "megatron"
-    code_path: Optional[str] = "megatron"  # noqa: UP045
-    script: str = "pretrain_gpt.py"
-    transformer_impl: str = knob("transformer_engine", choices=("transformer_engine", "local"))
-    extra_args: list[str] = field(default_factory=list)
-    env: dict[str, Any] = field(default_factory=dict)
-
-
-# --- launcher options (moe_perf/launchers/) ---------------------------------------------------
-
-
-@dataclass
-class LocalLauncherSchema:
-    name: str = "local"
-    kill_grace_s: float = knob(10.0, min=0)
-
-
-@dataclass
-class SlurmLauncherSchema:
-    name: str = "slurm"
-    kill_grace_s: float = knob(10.0, min=0)
-    time_limit_min: Optional[int] = knob(None, min=1)  # noqa: UP045
-    cpus_per_task: Optional[int] = knob(None, min=1)  # noqa: UP045
-    gpus_per_node: Optional[int] = knob(None, min=0)  # noqa: UP045
-    rdzv_port: Optional[int] = knob(None, min=1, max=65535)  # noqa: UP045
-    extra_args: list[str] = field(default_factory=list)
-    srun: str = "srun"  # the srun executable (tests point it at a wrapper)
-    build_on_every_node: bool = False  # trainer.build once per node, not once (docs/build.md)
-
-
+# Each trainer adapter and each launcher owns its option's schema (its class's `schema`), named
+# by its schema's `name`; conf/trainer/ and conf/launcher/ hold one option file per name.
 OPTION_SCHEMAS = {
-    "trainer": {
-        "reference": ReferenceTrainerSchema,
-        "command": CommandTrainerSchema,
-        "torchtitan": TorchtitanTrainerSchema,
-        "megatron": MegatronTrainerSchema,
-    },
-    "launcher": {"local": LocalLauncherSchema, "slurm": SlurmLauncherSchema},
+    "trainer": {name: adapter.schema for name, adapter in frameworks.FRAMEWORKS.items()},
+    "launcher": {name: launcher.schema for name, launcher in launchers.LAUNCHERS.items()},
 }
 
 
@@ -192,7 +109,7 @@ class MoePerfConfig:
     timeout_s: float = knob(1800.0, above=0)
     dry_run: bool = False
     explain: bool = False
-    compile_cache: str = "auto"  # auto | off | a directory (moe_perf/frameworks/compile_cache.py)
+    compile_cache: str = "auto"  # auto | off | a directory (moe_perf/runner/compile_cache.py)
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 

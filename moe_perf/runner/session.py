@@ -6,16 +6,21 @@ both refs to SHAs, and only then writes: the earlier sweep moved aside, this swe
 dry run writes and moves nothing).
 Under the basic launcher `SweepStart` (a Hydra callback) does it before Hydra writes
 multirun.yaml; otherwise the first job does. Later jobs join the sweep (in this process, or in
-a process of their own under a launcher that forks). One `SweepSession` per command holds the
-locks and the active sweep instead of module globals.
+a process of their own under a launcher that forks).
+
+One `SweepSession` per command holds the locks and the active sweep. `main()` makes it and
+serves it (`SweepSession.serving`) while Hydra runs; the Hydra task and `SweepStart`, which
+Hydra calls with arguments of its own only, find it with `SweepSession.of_command()`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,11 +28,12 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from moe_perf.common.errors import PrerequisiteError
+from moe_perf.common.errors import REFUSED, PrerequisiteError
 from moe_perf.launchers import orphans
 from moe_perf.report import sweep as sweeps
 from moe_perf.report.record import now_iso, write_record
 from moe_perf.runner import git, outputs, preflight
+from moe_perf.runner.hydra_jobs import check_all_jobs, sweep_dir_of
 from moe_perf.runner.job import Job, say
 
 
@@ -156,12 +162,46 @@ def announce(sweep: sweeps.Sweep, cfg: Any) -> None:
         say(note)
 
 
+# The session of the command running in this context: set by `SweepSession.serving` (main()),
+# empty otherwise. A context variable rather than an attribute of the app: nothing is made at
+# import, and what `serving` sets it resets.
+_SERVED: contextvars.ContextVar[SweepSession | None] = contextvars.ContextVar(
+    "moe_perf_sweep_session", default=None
+)
+
+
 @dataclass
 class SweepSession:
-    """The locks this command holds and the sweep its jobs belong to."""
+    """The locks this command holds, the sweep its jobs belong to, and whether its jobs'
+    prerequisites were checked when the sweep started (each job is checked once)."""
 
     locks: dict[str, git.SweepLock] = field(default_factory=dict)
     active: sweeps.Sweep | None = None
+    all_jobs_checked: bool = False
+    checked_arm_dir: Path | None = None
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[SweepSession]:
+        """This session is the command's while the block runs (`of_command`)."""
+        token = _SERVED.set(self)
+        try:
+            yield self
+        finally:
+            _SERVED.reset(token)
+
+    @staticmethod
+    def of_command() -> SweepSession:
+        """The session `main()` serves; where none is served (a job in a process of its own,
+        under a launcher that forks), a new one, served for the rest of that process."""
+        session = _SERVED.get()
+        if session is None:
+            session = SweepSession()
+            _SERVED.set(session)
+        return session
+
+    def has_checked(self, job: Job) -> bool:
+        """Whether `job`'s prerequisites were checked when this session started the sweep."""
+        return self.all_jobs_checked or self.checked_arm_dir == job.arm_dir
 
     def _lock(self, repo: Path, sweep_id: str) -> None:
         lock = self.locks.setdefault(str(repo), git.SweepLock(repo))
@@ -170,12 +210,11 @@ class SweepSession:
         except git.LockBusy as err:
             raise PrerequisiteError(str(err)) from None
 
-    def sweep_for(self, cfg: Any, job: Job, check_all_jobs=None) -> sweeps.Sweep:
+    def sweep_for(self, cfg: Any, job: Job, multirun: DictConfig | None = None) -> sweeps.Sweep:
         """The sweep this job belongs to: started by job 0 (or, for the basic launcher, by
         SweepStart before the first job), joined by the later jobs.
 
-        `check_all_jobs(job, repo) -> bool` checks every job of a multirun up front (the Hydra
-        app passes it); False when the sweep's jobs cannot be listed.
+        `multirun`: the sweep's config, when multirun.yaml is not written yet (SweepStart).
         """
         if self.active is not None and Path(self.active.sweep_dir) == job.sweep_dir:
             return self.active
@@ -185,7 +224,7 @@ class SweepSession:
                 self._lock(Path(state.repo), state.sweep_id)
                 self.active = state
                 return state
-        self.active = self.start(cfg, job, check_all_jobs)
+        self.active = self.start(cfg, job, multirun)
         return self.active
 
     def worktree_for(self, sha: str) -> Path:
@@ -207,19 +246,18 @@ class SweepSession:
         if self.active is not None:
             end_sweep(Path(self.active.sweep_dir))
 
-    def start(self, cfg: Any, job: Job, check_all_jobs=None) -> sweeps.Sweep:
+    def start(self, cfg: Any, job: Job, multirun: DictConfig | None = None) -> sweeps.Sweep:
         """Lock, leftovers of dead sweeps, outputs, tree, refs, every job: all checked before
         anything is written; then the earlier sweep is moved aside and this one's state saved."""
         repo = preflight.find_repo(str(cfg.repo), job.cwd)
         sweep_id = sweeps.new_sweep_id()
         self._lock(repo, sweep_id)
         try:
-            clean_up_dead_sweeps(repo, float(cfg.launcher.get("kill_grace_s", 10)))
+            clean_up_dead_sweeps(repo, float(cfg.launcher.kill_grace_s))
             outputs.check_outputs(repo, job.sweep_dir)
             refs = {"base": cfg.refs.base, "feat": cfg.refs.feat}
             shas = preflight.check_sweep(repo, refs)
-            if not (job.multirun and check_all_jobs and check_all_jobs(job, repo)):
-                preflight.check_job(cfg, repo)  # before the sweep's state is written
+            self.check_jobs(cfg, job, repo, multirun)  # before the sweep's state is written
         except BaseException:
             self.locks.pop(str(repo)).release()
             raise
@@ -229,6 +267,13 @@ class SweepSession:
             sweeps.save(sweep)
         announce(sweep, cfg)
         return sweep
+
+    def check_jobs(self, cfg: Any, job: Job, repo: Path, multirun: DictConfig | None) -> None:
+        """Every job of a multirun whose jobs can be listed; else this job alone."""
+        self.all_jobs_checked = check_all_jobs(job, repo, multirun)
+        if not self.all_jobs_checked:
+            preflight.check_job(cfg, repo)
+            self.checked_arm_dir = job.arm_dir
 
 
 def is_dry_run(cfg: Any) -> bool:
@@ -257,12 +302,9 @@ class SweepStart(Callback):
     dry_run_guard: outputs.DryRunGuard | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from moe_perf.runner import app  # the command's session; app imports this module
-
         hc = config.hydra
         cwd = Path(str(hc.runtime.cwd))
-        sweep_dir = Path(str(hc.sweep.dir))
-        sweep_dir = sweep_dir if sweep_dir.is_absolute() else cwd / sweep_dir
+        sweep_dir = sweep_dir_of(hc)
         if is_dry_run(config):  # Hydra's multirun.yaml put back however the command ends
             self.dry_run_guard = outputs.DryRunGuard(sweep_dir)
             atexit.register(self.dry_run_guard.restore)
@@ -274,13 +316,11 @@ class SweepStart(Callback):
                 repo = preflight.find_repo(str(config.repo), cwd)
                 git.SweepLock(repo).try_lock()
                 return
-            app.SESSION.sweep_for(
-                config, job, lambda job, repo: app.check_all_jobs(job, repo, config)
-            )
+            SweepSession.of_command().sweep_for(config, job, multirun=config)
         except (PrerequisiteError, git.LockBusy) as err:
             say(f"cannot run: {err}", sys.stderr)
             say("nothing was launched: the sweep is stopped", sys.stderr)
-            raise SystemExit(2) from None
+            raise SystemExit(REFUSED) from None
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.dry_run_guard is not None:

@@ -12,7 +12,7 @@ A sequential plan (pairs added until decided) looks after every pair from FIRST_
 spends the error rate evenly over those looks (Bonferroni), so the intervals hold together over
 the whole sweep: a 95% plan's interval is a simultaneous 95% interval over its looks.
 Validated by simulation: moe_perf/stats/simulate.py, tests/test_verdict_simulation.py,
-docs/verdict.md.
+docs/verdict.md. The words, the Verdict and its sentence: moe_perf/stats/words.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats
@@ -33,8 +33,16 @@ from moe_perf.stats.interval import (
     far_pair,
     fit,
 )
-
-SAME, DIFFERENT, UNKNOWN = "SAME", "DIFFERENT", "UNKNOWN"
+from moe_perf.stats.words import (
+    DIFFERENT,
+    SAME,
+    UNKNOWN,
+    Verdict,
+    pct,
+    setting,
+    signed,
+)
+from moe_perf.stats.words import describe as describe  # the verdict's sentence, importable here
 
 # The first pair count that a sequential plan may decide at. With the order modelled, 2 and 3
 # pairs leave 0 and 1 degrees of freedom: at a per-look error of 0.05/7 the t quantile with one
@@ -111,30 +119,6 @@ class Plan:
             looks = np.maximum(pairs, self.max_pairs) - self.first_look + 1
             spent = np.where(pairs >= self.first_look, self.alpha / np.maximum(looks, 1), 0.0)
         return float(spent) if spent.ndim == 0 else spent
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """One decision for feat against base, with its interval, in plain words."""
-
-    word: str  # SAME | DIFFERENT | UNKNOWN
-    estimate: float | None  # relative difference feat vs base (+0.021: feat's value 2.1% higher)
-    low: float | None  # the confidence interval of `estimate` (relative); None: no spread
-    high: float | None
-    confidence: float  # of the interval, over the whole sweep (peak memory: 1.0, no interval)
-    effect: float  # compare.effect (peak memory: compare.memory_tolerance)
-    pairs: int
-    beyond_effect: bool | None  # DIFFERENT only: does the whole interval lie beyond +/-effect?
-    reason: str  # why this word; for UNKNOWN why, and what would decide it
-    more_pairs: int | None  # UNKNOWN: about how many more pairs would decide it
-    trimmed: int  # pairs trimmed on each side, the most extreme (0 below interval.TRIM_FROM)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Verdict:
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
 
 
 @dataclass(frozen=True)
@@ -293,7 +277,7 @@ def _decided_at(later: np.ndarray, now: LogRatioFit, n: int, plan: Plan) -> np.n
 
 
 def _reason(word, seen: Look, plan: Plan, low, more: int | None, far: int | None) -> str:
-    effect = _setting(plan.effect)
+    effect = setting(plan.effect)
     if word == SAME:
         return f"the interval lies inside +/-{effect}"
     if word == DIFFERENT:
@@ -316,8 +300,8 @@ def _unknown_why(seen: Look, plan: Plan, low) -> str:
         return f"this plan's first look is at {plan.first_look} pairs"
     if low is None:
         return "no spread to measure yet"
-    spread = _pct(_pair_spread(seen), 2)
-    effect = _setting(plan.effect)
+    spread = pct(_pair_spread(seen), 2)
+    effect = setting(plan.effect)
     return f"the interval holds both no change and a change of {effect} (pairs spread {spread})"
 
 
@@ -334,73 +318,6 @@ def _what_would_decide(seen: Look, plan: Plan, more: int | None) -> str:
     target = seen.pairs + more
     raise_cap = f" (compare.max_pairs={target})" if target > plan.max_pairs else ""
     return f"{cap}; about {more} more pair{'s' if more > 1 else ''} would decide it{raise_cap}"
-
-
-# --------------------------------------------------------------------------------------------
-# One sentence for a pull request
-
-
-def describe(verdict: Verdict, more: str, less: str) -> str:
-    """One sentence: '2.1% slower (95% CI 1.6 to 2.6%, 4 pairs): DIFFERENT, beyond the 1% effect'.
-
-    `more`/`less`: the metric's words for a positive/negative estimate ("slower"/"faster" for
-    step time). A DIFFERENT interval lies on one side of zero, so it reads as magnitudes.
-    """
-    v, effect = verdict, _setting(verdict.effect)
-    digits = _digits(v)
-    if v.word == DIFFERENT:
-        inside = _where(v)
-        if v.low is not None:  # peak memory's verdict has none
-            lo, hi = sorted([abs(v.low), abs(v.high)])
-            span = f"{_pct(lo, digits, unit=False)} to {_pct(hi, digits)}"
-            inside = f"{_ci(v)} {span}, {inside}"
-        return (
-            f"{_pct(abs(v.estimate), digits)} {more if v.estimate > 0 else less} ({inside}): "
-            f"DIFFERENT, {_against_effect(v)} the {effect} effect"
-        )
-    inside = _where(v)
-    if v.low is not None:
-        span = f"{_signed(v.low, digits, unit=False)} to {_signed(v.high, digits)}"
-        inside = f"{_ci(v)} {span}, {inside}"
-    if v.word == SAME:
-        return f"no change beyond {effect} ({inside}): SAME"
-    return f"UNKNOWN: {_signed(v.estimate, digits)} ({inside}): {v.reason}"
-
-
-def _digits(v: Verdict) -> int:
-    """Two decimals when every figure is under 1% (a 0.3% spread), else one."""
-    figures = [abs(x) for x in (v.estimate, v.low, v.high) if x is not None]
-    return 1 if max(figures, default=0) >= 0.01 else 2
-
-
-def _where(v: Verdict) -> str:
-    pairs = f"{v.pairs} pair{'s' if v.pairs != 1 else ''}"
-    return pairs + (f", {v.trimmed} trimmed each side" if v.trimmed else "")
-
-
-def _against_effect(v: Verdict) -> str:
-    if v.beyond_effect or v.low is None:
-        return "beyond"
-    if max(abs(v.low), abs(v.high)) <= v.effect:
-        return "within"
-    return "reaching"
-
-
-def _ci(v: Verdict) -> str:
-    return f"{_setting(v.confidence)} CI"
-
-
-def _setting(x: float) -> str:
-    """A stated setting as written: 0.01 -> '1%', 0.005 -> '0.5%', 0.999 -> '99.9%'."""
-    return f"{x * 100:.10g}%"
-
-
-def _pct(x: float, digits: int = 1, unit: bool = True) -> str:
-    return f"{x * 100:.{digits}f}" + ("%" if unit else "")
-
-
-def _signed(x: float, digits: int = 1, unit: bool = True) -> str:
-    return ("+" if x > 0 else "") + _pct(x, digits, unit)
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,8 +351,8 @@ def decide_memory(
         effect=float(tolerance),
         pairs=min(len(b), len(f)),
         beyond_effect=(word == DIFFERENT) or None,
-        reason=f"medians {mb:.4g} and {mf:.4g}: {_signed(change, 2)}, {side} the "
-        f"{_setting(tolerance)} tolerance",
+        reason=f"medians {mb:.4g} and {mf:.4g}: {signed(change, 2)}, {side} the "
+        f"{setting(tolerance)} tolerance",
         more_pairs=None,
         trimmed=0,
     )

@@ -220,7 +220,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 def mixed_precision(cfg, device: torch.device) -> MixedPrecisionPolicy:
     """bf16 parameters in compute with fp32 reduction on GPU for bf16/fp8; fp32 otherwise."""
-    if device.type != "cpu" and cfg.dtype.name in ("bf16", "fp8"):
+    if device.type != "cpu" and cfg.dtype.bf16_compute:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=REDUCE_DTYPE)
     return MixedPrecisionPolicy()
 
