@@ -15,9 +15,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
-# Files being split by job elsewhere; this set is emptied once they are. Nothing else may join.
-SPLIT_IN_PROGRESS = frozenset({"moe_perf/report/explain.py", "moe_perf/report/logformats.py"})
-
 
 def oversized(root: Path, package: str = "moe_perf", exempt=frozenset()) -> list[str]:
     """Every file and function under `root/package` over its limit, one line each."""
@@ -40,14 +37,7 @@ def oversized(root: Path, package: str = "moe_perf", exempt=frozenset()) -> list
 
 
 def test_no_file_or_function_of_the_package_is_oversized():
-    assert oversized(ROOT, exempt=SPLIT_IN_PROGRESS) == []
-
-
-def test_the_exemptions_are_files_that_are_still_oversized():
-    """An exemption that no longer exempts anything must go (a split file, or a renamed one)."""
-    for rel in SPLIT_IN_PROGRESS:
-        if (ROOT / rel).exists():
-            assert oversized(ROOT, exempt=SPLIT_IN_PROGRESS - {rel}), f"{rel}: drop its exemption"
+    assert oversized(ROOT) == []
 
 
 def test_the_checker_reports_an_oversized_file_and_function(tmp_path):
