@@ -15,6 +15,7 @@
 # reused or restored, its time, the extension file and hash it loaded, the step time; then the
 # comparisons. Needs nvcc (CUDA_HOME or PATH) and setuptools for the arms' python.
 set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)  # bench/, before any cd
 
 TREE=$(cd "$1" && pwd)
 OUT=$(mkdir -p "$2" && cd "$2" && pwd)
@@ -33,17 +34,8 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$("$PY" -c "import torch; pr
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 REPO=$WORK/torchtitan
-cp -r "$TREE" "$REPO"
-mkdir -p "$REPO/tests/assets/c4_test" "$REPO/moe_permute"
-"$PY" - "$REPO/tests/assets/c4_test/data.json" <<'EOF'
-import json, random, sys
-words = ("the of and to in is was for on that with as by at from his her an which are this "
-         "be or had it not were but have their they one all been has more when who its also").split()
-rng = random.Random(1234)
-with open(sys.argv[1], "w") as f:
-    for _ in range(2000):
-        f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(600))}) + "\n")
-EOF
+PYTHON=$PY bash "$HERE/make_titan_repo.sh" "$TREE" "$REPO"  # one commit on main: the tree
+mkdir -p "$REPO/moe_permute"
 cat > "$REPO/moe_permute/permute.cu" <<'EOF'
 // Routed-row gather for the MoE: out[r] = x[rows[r]], one block per row.
 #include <ATen/cuda/CUDAContext.h>
@@ -120,9 +112,8 @@ EOF
 printf 'build/\n*.so\n__pycache__/\n' >> "$REPO/.gitignore"
 cd "$REPO"
 GIT=(git -c user.name=bench -c user.email=bench@moe-perf.invalid)
-git init -q -b main
 git add -A
-"${GIT[@]}" commit -q -m "torchtitan 0.2.2; MoE gather through moe_permute_ext"
+"${GIT[@]}" commit -q -m "MoE gather through moe_permute_ext"
 git checkout -q -b slower
 sed -i "s/#define LAUNCHES 1/#define LAUNCHES $REPEATS/" moe_permute/permute.cu
 "${GIT[@]}" commit -q -am "moe_permute_ext: the gather launched $REPEATS times"
