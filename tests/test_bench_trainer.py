@@ -35,7 +35,7 @@ def test_bench_trainer_cpu_with_profile(tmp_path):
     assert summary["mfu"] is None  # no peak on CPU
     assert summary["compile"] is False
     config = (out / "config.yaml").read_text()
-    assert "max_steps: 4" in config and "benchmark: true" in config
+    assert "max_steps: 4" in config and "mode: balanced" in config  # forced balance
     table = (out / "profile" / "kernels_rank0.txt").read_text()
     assert "aten::" in table
     assert (out / "profile" / "trace_rank0.json").is_file()

@@ -72,7 +72,7 @@ class PairsSweeper(Sweeper):
         """Each distinct arm once (what it would run), writing nothing; then what the sweep
         would repeat."""
         # one pair per cell: pair 0 of an auto sweep, or the first of fixed repeats
-        first = None if sweep_plan.auto else (sweep_plan.repeats or (0,))[:1]
+        first = sweep_plan.repeats[:1] if sweep_plan.repeats else None
         once = pairs.SweepPlan(sweep_plan.cells, sweep_plan.arms, first)
         for batch in pairs.fixed_batches(once):
             self.launch(batch)

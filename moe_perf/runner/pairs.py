@@ -81,8 +81,7 @@ def plan_of(arguments: Sequence[str], parser: OverridesParser | None = None) -> 
     if auto_asked and repeats is not None:
         raise ValueError("repeat=auto cannot be combined with repeat indices; give one of them")
     cells = [tuple(cell) for cell in itertools.product(*choices)]
-    if repeats is None and sorted(arms) != sorted(ARMS):
-        repeats = (0,)  # one arm: nothing to decide, each cell runs once
+    # one arm and no repeats: nothing to decide, each cell runs once, its directory unsuffixed
     return SweepPlan(cells=cells, arms=arms, repeats=repeats)
 
 
