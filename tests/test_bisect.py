@@ -15,8 +15,10 @@ from moe_perf.runner.bisect import BisectError, next_probe, parse_args
 WORK_TRAINER = Path(__file__).parent / "helpers" / "work_trainer.py"
 # the step's CPU time: the measured work, unmoved by other processes on a shared test machine
 RUN = ["trainer.command=[-m,mytrainer]", "trainer.code_path=mytrainer",
-       "training.sequence_length=64", "training.global_batch=4", "training.max_steps=10",
-       "wandb.mode=disabled", "timeout_s=120"]  # fmt: skip
+       "training.sequence_length=64", "training.global_batch=4", "training.max_steps=8",
+       "wandb.mode=disabled", "timeout_s=120",
+       # each probe decides at its one look, the fourth pair: a clear 2x or within half of it
+       "compare.max_pairs=4"]  # fmt: skip
 
 
 def history(path: Path, broken: int | None = None) -> list[str]:

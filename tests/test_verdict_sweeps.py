@@ -112,13 +112,13 @@ def test_each_mesh_is_decided_on_its_own(tmp_path):
     # they spread 1.5%: the first cell is decided at the first look and gets no more pairs
     # while the second goes on
     repo = seeded_repo(tmp_path / "repo", {1: 0.2, 2: 0.0}, sigmas={2: 0.015})
-    result = moe_perf(repo, *RUN, "training.seed=1", "compare.max_pairs=6", "-m",
+    result = moe_perf(repo, *RUN, "training.seed=1", "compare.max_pairs=5", "-m",
                       "mesh=single,ep2", "arm=base,feat", timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr
     found = groups(repo)
     single = next(g for t, g in found.items() if t.startswith("pp1-dp1-"))
     ep2 = next(g for t, g in found.items() if t.startswith("pp1-dp2-"))
-    plan = Plan(max_pairs=6, sequential=True)
+    plan = Plan(max_pairs=5, sequential=True)
     assert single["verdict"]["step_time_s"]["word"] == expected(0.2, plan, 1)[0] == "DIFFERENT"
     assert single["pairs"] == expected(0.2, plan, 1)[1] == plan.first_look
     word, pairs = expected(0.0, plan, 1, sigma=0.015)
@@ -201,7 +201,7 @@ def test_a_reference_trainer_aa_at_a_rare_false_alarm_rate_is_not_different(tmp_
     repo = make_repo(tmp_path / "repo")
     result = moe_perf(repo, "training.sequence_length=64", "training.global_batch=4",
                       "training.max_steps=8", "wandb.mode=disabled", "compare.confidence=0.999",
-                      "compare.max_pairs=5", "-m", "arm=base,feat", timeout=600)  # fmt: skip
+                      "compare.max_pairs=4", "-m", "arm=base,feat", timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr
     (group,) = groups(repo).values()
     assert group["aa"] and group["pairs"] >= Plan().first_look
