@@ -78,7 +78,7 @@ def run_order(repo: Path) -> list[str]:
 
 
 def test_pairs_until_decided_reach_the_rules_words(tmp_path):
-    repo = seeded_repo(tmp_path / "repo", {1: 0.05})
+    repo = seeded_repo(tmp_path / "repo", {64: 0.05})
     result = moe_perf(repo, *RUN, "compare.max_pairs=4", "-m", "arm=base,feat")
     assert result.returncode == 0, result.stderr
     (group,) = groups(repo).values()
@@ -107,17 +107,17 @@ def test_an_aa_sweep_in_abba_order_reaches_the_rules_word(tmp_path):
     assert names[0].endswith("-base") and any(n.endswith("-feat-r1") for n in names)
 
 
-def test_each_mesh_is_decided_on_its_own(tmp_path):
-    # feat is 20% slower on one process, where runs spread 0.3%, and unchanged on two, where
-    # they spread 1.5%: the first cell is decided at the first look and gets no more pairs
-    # while the second goes on
-    repo = seeded_repo(tmp_path / "repo", {1: 0.2, 2: 0.0}, sigmas={2: 0.015})
+def test_each_cell_is_decided_on_its_own(tmp_path):
+    # two cells of one sweep (two sequence lengths, two tags): feat is 20% slower at 64, where
+    # runs spread 0.3%, and unchanged at 128, where they spread 1.5%: the first cell is decided
+    # at the first look and gets no more pairs while the second goes on
+    repo = seeded_repo(tmp_path / "repo", {64: 0.2, 128: 0.0}, sigmas={128: 0.015})
     result = moe_perf(repo, *RUN, "training.seed=1", "compare.max_pairs=5", "-m",
-                      "mesh=single,ep2", "arm=base,feat", timeout=600)  # fmt: skip
+                      "training.sequence_length=64,128", "arm=base,feat", timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr
     found = groups(repo)
-    single = next(g for t, g in found.items() if t.startswith("pp1-dp1-"))
-    ep2 = next(g for t, g in found.items() if t.startswith("pp1-dp2-"))
+    single = next(g for t, g in found.items() if "-seq64-" in t)
+    ep2 = next(g for t, g in found.items() if "-seq128-" in t)
     plan = Plan(max_pairs=5, sequential=True)
     assert single["verdict"]["step_time_s"]["word"] == expected(0.2, plan, 1)[0] == "DIFFERENT"
     assert single["pairs"] == expected(0.2, plan, 1)[1] == plan.first_look
@@ -127,7 +127,7 @@ def test_each_mesh_is_decided_on_its_own(tmp_path):
 
 
 def test_fixed_repeats_run_every_pair_and_decide_once(tmp_path):
-    repo = seeded_repo(tmp_path / "repo", {1: 0.05})
+    repo = seeded_repo(tmp_path / "repo", {64: 0.05})
     result = moe_perf(repo, *RUN, "-m", "repeat=0,1,2", "arm=base,feat")
     assert result.returncode == 0, result.stderr
     (group,) = groups(repo).values()
@@ -141,7 +141,7 @@ def test_fixed_repeats_run_every_pair_and_decide_once(tmp_path):
 
 
 def test_one_pair_cannot_decide_and_says_why(tmp_path):
-    repo = seeded_repo(tmp_path / "repo", {1: 0.05})
+    repo = seeded_repo(tmp_path / "repo", {64: 0.05})
     result = moe_perf(repo, *RUN, "compare.max_pairs=1", "-m", "arm=base,feat")
     assert result.returncode == 0, result.stderr
     (group,) = groups(repo).values()

@@ -5,9 +5,9 @@ where `offset ~ N(0, SIGMA)` is drawn from a generator seeded by (training.seed,
 so a test can compute every run median in-process (`run_median`) and check that a real sweep
 reaches the words the decision rule gives those medians. A test repository's feat branch
 commits its own `knobs.json` beside this file: `effects` (the relative step-time change of
-that branch per world size, so two meshes of one sweep can differ), `sigmas` (the run-to-run
-spread per world size) and `sleep_s` (wall time per step, for the time limit). Run as
-`python -m mytrainer <config.yaml>` by the runner.
+that branch per sequence length, so two cells of one sweep can differ), `sigmas` (the
+run-to-run spread per sequence length) and `sleep_s` (wall time per step, for the time
+limit). Run as `python -m mytrainer <config.yaml>` by the runner.
 """
 
 import json
@@ -45,7 +45,8 @@ def main() -> None:
 
     cfg = yaml.safe_load(open(sys.argv[1]))
     world, knob = int(os.environ.get("WORLD_SIZE", "1")), knobs()
-    effect, sigma = knob["effects"].get(world, 0.0), knob["sigmas"].get(world, SIGMA)
+    cell = int(cfg["training"]["sequence_length"])
+    effect, sigma = knob["effects"].get(cell, 0.0), knob["sigmas"].get(cell, SIGMA)
     seconds = run_median(cfg["training"]["seed"], cfg["arm"]["name"], cfg["repeat"], effect, sigma)
     steps = cfg["training"]["max_steps"]
     tokens = cfg["training"]["global_batch"] * cfg["training"]["sequence_length"]
