@@ -153,26 +153,32 @@ def _run_config(record: dict, secrets: tuple[str, ...]) -> dict:
     return config
 
 
+def _init(wandb, cfg: dict, mode: str, **run):
+    """A wandb run of the configured project and entity. No console capture (the arm's log is
+    already saved), no system sampling or code copy: a record of finished numbers, and
+    nothing from the environment should leak."""
+    settings = wandb.Settings(
+        console="off", silent=True, save_code=False, x_disable_stats=True, disable_git=True
+    )
+    return wandb.init(project=cfg.get("project") or "moe_perf", entity=cfg.get("entity") or None,
+                      mode=mode, settings=settings, **run)  # fmt: skip
+
+
 def _log_run(record: dict, arm_dir: Path, cfg: dict, mode: str, why: str) -> str:
     import wandb  # here, not at module top: `disabled` must not even import it
 
     secrets = tuple(s for s in (api_key(),) if s)
     model = record.get("model", "unknown")
-    run = wandb.init(
-        project=cfg.get("project") or "moe_perf",
-        entity=cfg.get("entity") or None,
+    run = _init(
+        wandb,
+        cfg,
+        mode,
         group=f"performance/{model}",
         job_type="performance",
         name=run_name(record, arm_dir),
         tags=[str(model), str(record.get("tag")), str(record.get("arm"))],
         config=_run_config(record, secrets),
         dir=str(arm_dir),
-        mode=mode,
-        # No console capture (the arm's log is already saved), no system sampling or code copy:
-        # this is a record of finished numbers, and nothing from the environment should leak.
-        settings=wandb.Settings(
-            console="off", silent=True, save_code=False, x_disable_stats=True, disable_git=True
-        ),
     )
     try:
         for sample in record.get("steps") or []:
@@ -233,9 +239,10 @@ def _log_verdict(group: dict, state_dir: Path, cfg: dict, mode: str, why: str) -
     model, tag = group.get("model", "unknown"), group.get("tag")
     where = state_dir / "wandb-verdict" / f"{model}-{tag}"
     where.mkdir(parents=True, exist_ok=True)
-    run = wandb.init(
-        project=cfg.get("project") or "moe_perf",
-        entity=cfg.get("entity") or None,
+    run = _init(
+        wandb,
+        cfg,
+        mode,
         group=f"performance/{model}",  # beside the arms it decides on
         job_type="verdict",
         name=f"{tag}-verdict",
@@ -245,10 +252,6 @@ def _log_verdict(group: dict, state_dir: Path, cfg: dict, mode: str, why: str) -
             "shas": {a: v.get("shas") for a, v in group.get("arms", {}).items()},
         },  # fmt: skip
         dir=str(where),
-        mode=mode,
-        settings=wandb.Settings(
-            console="off", silent=True, save_code=False, x_disable_stats=True, disable_git=True
-        ),
     )
     try:
         for key, value in verdict_summary(group).items():
