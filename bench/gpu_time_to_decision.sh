@@ -3,13 +3,14 @@
 # on a fresh machine (its first arm is one of the figures):
 #   1. arms (bench_startup.py): the machine's first arm (compile caches and Python's bytecode
 #      empty), then warm arms: their walls, step 1, the share that is not measurement;
-#   2. trainer.warm_attention A/B on warm arms, off, on, on, off (one arm each);
+#   2. the A/B of SWITCH (a boolean trainer switch still off by default; trainer.early_cuda_context)
+#      on warm arms, off, on, on, off (one arm each);
 #   3. one warm arm with sampled stacks and import times: where its seconds go
 #      (bench/startup_breakdown.py);
 #   4. the reference trainer's step (bench_trainer.py): bf16, fp8, fp8 with
 #      trainer.fp8_master_weights, in the order bf16 fp8 fp8mw fp8mw fp8 bf16 (fp8 where torchao
 #      and an fp8-capable GPU are there, else said in "Not run");
-#   5. if time is left (BUDGET_S): trainer.warm_attention A/B on cold arms (compile caches
+#   5. if time is left (BUDGET_S): the SWITCH A/B on cold arms (compile caches
 #      empty, bytecode kept), then torchtitan's A/A sweep (bench_frameworks.sh) when TITAN_TREE
 #      names a torchtitan 0.2.2 tree.
 # Shapes: 4-layer qwen3-30b-a3b, seq 2048, global batch 32, micro-batch 8, compiled, 10 steps.
@@ -21,7 +22,7 @@
 # measured), logs.tar.gz (every part's log and records) and run.log (this script's output).
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
-# tiny model's CPU shapes (the plumbing, not figures). Environment: PYTHON (python3), BUDGET_S
+# tiny model's CPU shapes (the plumbing, not figures). Environment: SWITCH, PYTHON (python3), BUDGET_S
 # (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
 # (recorded when the tree has no git history).
 set -uo pipefail
@@ -36,6 +37,7 @@ case $MODE in gpu | --dry-run | --smoke) ;; *) usage ;; esac
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-480}
+SWITCH=${SWITCH:-trainer.early_cuda_context}
 DRY=false
 [[ $MODE == --dry-run ]] && DRY=true
 if ! $DRY && [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
@@ -121,16 +123,17 @@ write_meta() {
   commit=$(git -C "$HERE" rev-parse HEAD 2>/dev/null || echo "${COMMIT:-unknown}")
   card=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null |
     head -1)
-  "$PY" - "$WORK/meta.json" "$commit" "${card:-no GPU}" "$MODE" "$BUDGET_S" "$*" <<'EOF'
+  "$PY" - "$WORK/meta.json" "$commit" "${card:-no GPU}" "$MODE" "$BUDGET_S" "$SWITCH" "$*" <<'EOF'
 import datetime, importlib.util, json, platform, sys
 import torch
-path, commit, card, mode, budget, command = sys.argv[1:]
+path, commit, card, mode, budget, switch, command = sys.argv[1:]
 torchao = None
 if importlib.util.find_spec("torchao"):
     import torchao
     torchao = torchao.__version__
 json.dump({"commit": commit, "card": card, "torch": torch.__version__, "torchao": torchao,
            "python": platform.python_version(), "mode": mode, "budget_s": int(budget),
+           "switch": switch,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": command}, open(path, "w"), indent=1)
 EOF
@@ -164,12 +167,12 @@ echo "== 1. arms: the machine's first, then warm (bench_startup.py)"
 run startup "$PY" "$HERE/bench/bench_startup.py" "$WORK/startup" --runs "$FIRST_RUNS" \
   "${STARTUP[@]}" --cache "$CACHE"
 
-echo "== 2. trainer.warm_attention on warm arms: ${WARM_ORDER[*]}"
+echo "== 2. $SWITCH on warm arms: ${WARM_ORDER[*]}"
 for switch in "${WARM_ORDER[@]}"; do
   next_label "$switch"
   value=false
   [[ $switch == on ]] && value=true
-  arm "warmup/$LABEL" "warmup-$LABEL" --cache "$CACHE" --warm --set "trainer.warm_attention=$value"
+  arm "warmup/$LABEL" "warmup-$LABEL" --cache "$CACHE" --warm --set "$SWITCH=$value"
 done
 
 echo "== 3. one warm arm attributed (bench/startup_breakdown.py)"
@@ -192,14 +195,14 @@ for variant in "${STEP_ORDER[@]}"; do
   step_variant "$variant"
 done
 
-echo "== 5. if time is left: trainer.warm_attention on cold arms; torchtitan"
+echo "== 5. if time is left: $SWITCH on cold arms; torchtitan"
 if [[ $MODE != --smoke ]]; then
   for switch in off on; do
-    fits 45 "cold arm, trainer.warm_attention $switch" || break
+    fits 45 "cold arm, $SWITCH $switch" || break
     value=false
     [[ $switch == on ]] && value=true
     arm "cold/$switch-1" "cold-$switch" --cache "$WORK/cache-cold-$switch" \
-      --set "trainer.warm_attention=$value"
+      --set "$SWITCH=$value"
   done
   if [[ -n ${TITAN_TREE:-} && -d ${TITAN_TREE:-} ]]; then
     fits 100 "torchtitan A/A" &&

@@ -2,14 +2,14 @@
 
     python bench/time_to_decision_summary.py WORK OUT
 
-WORK is the script's work directory: meta.json (commit, card, software, command), startup/
-(bench_startup.py: the machine's first arm, then warm ones), warmup/<variant><i>/ and cold/
-(trainer.warm_attention off and on, one arm each), breakdown/run1 (one warm arm with sampled
-stacks and import times), trainer/<variant>-<i>/ (bench_trainer.py: bf16, fp8, fp8 over
-master weights), titan/bench.txt (torchtitan, when it ran) and skipped.txt (what did not run,
-and why). Writes OUT/summary.md, OUT/figures.json and OUT/breakdown.txt; parts that did not
-run are left out and skipped.txt says why. It reports medians, ranges and differences; it
-decides nothing (a switch's default changes on the project's verdict, not here).
+WORK is the script's work directory: meta.json (commit, card, software, command, the switch
+under A/B), startup/ (bench_startup.py: the machine's first arm, then warm ones),
+warmup/<variant><i>/ and cold/ (the switch off and on, one arm each), breakdown/run1 (one warm
+arm with sampled stacks and import times), trainer/<variant>-<i>/ (bench_trainer.py: bf16,
+fp8, fp8 over master weights), titan/bench.txt (torchtitan, when it ran) and skipped.txt (what
+did not run, and why). Writes OUT/summary.md, OUT/figures.json and OUT/breakdown.txt; parts
+that did not run are left out and skipped.txt says why. It reports medians, ranges and
+differences; it decides nothing (a switch's default changes on the project's verdict, not here).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def arm(run: dict, arm_dir: Path) -> dict:
         "not_measured_s": round(run["arm_wall_s"] - run["measured_steps_s"], 2),
         "losses": [s["loss"] for s in record.get("steps", [])],
         "attention_warm_up": startup.get("attention_warm_up"),
+        "early_cuda_context": startup.get("early_cuda_context"),
     }
 
 
@@ -118,11 +119,11 @@ def figures(work: Path) -> dict:
     fig["arms"] = startup_arms(work / "startup")
     warm = variants(work / "warmup", startup_arms)
     if warm.get("off") and warm.get("on"):
-        fig["warm_attention_ab"] = {**warm, "compare": ab(warm["off"], warm["on"],
+        fig["switch_ab"] = {**warm, "compare": ab(warm["off"], warm["on"],
                                                           ("arm_s", "step1_s"))}  # fmt: skip
     cold = variants(work / "cold", startup_arms)
     if cold.get("off") and cold.get("on"):
-        fig["warm_attention_cold_ab"] = {**cold, "compare": ab(cold["off"], cold["on"],
+        fig["switch_cold_ab"] = {**cold, "compare": ab(cold["off"], cold["on"],
                                                                ("arm_s", "step1_s"))}  # fmt: skip
     steps = variants(work / "trainer", trainer_run)
     fig["trainer"] = steps
@@ -196,6 +197,10 @@ def goals(fig: dict) -> list[str]:
 
 
 def page(fig: dict) -> str:
+    return "\n".join(page_head(fig) + page_tail(fig)) + "\n"
+
+
+def page_head(fig: dict) -> list[str]:
     meta = fig["meta"]
     out = [
         "# Time to a decision: one GPU run", "",
@@ -210,13 +215,29 @@ def page(fig: dict) -> str:
     out += ["", "Where a warm arm's seconds go: breakdown.txt (bench/startup_breakdown.py)."]
     out += ["", "## The reference trainer's step (bench_trainer.py)", ""]
     out += trainer_table(fig["trainer"])
-    sections = (("warm_attention_ab", "trainer.warm_attention, warm arms (off, on, on, off)"),
-                ("warm_attention_cold_ab", "trainer.warm_attention, cold arms"))  # fmt: skip
+    switch = meta.get("switch", "trainer.warm_attention")  # runs before the switch was named
+    sections = (("switch_ab", f"{switch}, warm arms (off, on, on, off)"),
+                ("switch_cold_ab", f"{switch}, cold arms"))  # fmt: skip
     for key, title in sections:
         if key in fig:
             out += ["", *ab_lines(title, fig[key]["compare"], {"arm_s": " s", "step1_s": " s"})]
-            warmed = [a["attention_warm_up"] for a in fig[key]["on"]]
-            out.append(f"- the warm-up (seconds, build's wait, error): {json.dumps(warmed)}")
+            out += helpers_lines(fig[key]["on"])
+    return out
+
+
+def helpers_lines(arms: list[dict]) -> list[str]:
+    """What the start-up's helper threads of the switched-on arms did (startup.json)."""
+    lines = []
+    for key, what in (("attention_warm_up", "the attention warm-up"),
+                      ("early_cuda_context", "the early CUDA context")):  # fmt: skip
+        found = [a[key] for a in arms if a.get(key)]
+        if found:
+            lines.append(f"- {what} (seconds, build's wait, error): {json.dumps(found)}")
+    return lines
+
+
+def page_tail(fig: dict) -> list[str]:
+    out = []
     if "fp8_master_weights_ab" in fig:
         units = {"tokens_per_s": "", "tflops": ""}
         out += ["", *ab_lines("trainer.fp8_master_weights under dtype=fp8",
@@ -225,7 +246,7 @@ def page(fig: dict) -> str:
         out += ["", "## torchtitan (bench_frameworks.sh)", "", "```", fig["torchtitan"], "```"]
     if fig["skipped"]:
         out += ["", "## Not run", "", *(f"- {line}" for line in fig["skipped"])]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -88,7 +88,7 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
     assert all("--warm" in plan[label] for label in [*warm, "breakdown"])
     assert "--warm" not in plan["cold-on"] and "--warm" not in plan["startup"]
     switch = {label: dict(v.partition("=")[::2] for v in values_after(plan[label], "--set"))
-              .get("trainer.warm_attention") for label in warm}  # fmt: skip
+              .get("trainer.early_cuda_context") for label in warm}  # fmt: skip
     assert list(switch.values()) == ["false", "true", "true", "false"]
 
     for label in steps:
@@ -104,7 +104,8 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
 @pytest.mark.slow
 def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    result = script(str(out), "--smoke", WORK=str(work))
+    # a switch that acts on a CPU: the attention's warm-up (early_cuda_context needs a GPU)
+    result = script(str(out), "--smoke", WORK=str(work), SWITCH="trainer.warm_attention")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(len(p.relative_to(out).parts) <= 3 for p in files)
@@ -112,7 +113,7 @@ def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
                                        "logs.tar.gz", "run.log"}  # fmt: skip
     fig = json.loads((out / "figures.json").read_text())
     assert len(fig["arms"]) == 2 and all(a["arm_s"] > a["measured_s"] > 0 for a in fig["arms"])
-    ab = fig["warm_attention_ab"]
+    ab = fig["switch_ab"]
     assert ab["on"][0]["attention_warm_up"]["error"] is None
     assert ab["off"][0]["attention_warm_up"] is None
     assert ab["compare"]["loss_diff"]["across"] == 0.0  # the switch leaves the numerics

@@ -226,6 +226,9 @@ class TrainerConfig:
     # has (Config.master_weights), instead of autocast over fp32 weights: fp8 121,200 ->
     # 133,600 tokens/s on an H100 (bf16: 132,500), 2 GiB more peak memory
     fp8_master_weights: bool = True
+    # the CUDA context made in a thread while the trainer imports (trainer/early.py), instead
+    # of after: off until a GPU measures a gain (bench/gpu_time_to_decision.sh)
+    early_cuda_context: bool = False
 
     def __post_init__(self):
         self.activation_checkpointing = ac_mode(self.activation_checkpointing)

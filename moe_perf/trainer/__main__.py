@@ -8,10 +8,14 @@ torch 2.13 with gloo) although its output was complete; os._exit removed it (0 i
 import os
 import sys
 
-from moe_perf.trainer.train import main
+from moe_perf.trainer import early
 
 if __name__ == "__main__":
-    rc = main(sys.argv[1:])
+    # before train's imports (dynamo's among them), so the context overlaps them
+    context = early.start(sys.argv[1:])
+    from moe_perf.trainer.train import main
+
+    rc = main(sys.argv[1:], early_context=context)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)

@@ -29,6 +29,7 @@ from moe_perf.common.corpus import CorpusError
 from moe_perf.common.mesh import MeshError
 from moe_perf.trainer import (
     cp,
+    early,
     flops,
     imbalance,
     moe,
@@ -240,12 +241,18 @@ def explain(tr: Trainer, steps: int, out_dir) -> None:
 # The run
 
 
-def write_startup(path: Path, timeline: Timeline, warm_up: AttentionWarmUp | None) -> None:
+def write_startup(
+    path: Path,
+    timeline: Timeline,
+    warm_up: AttentionWarmUp | None,
+    early_context: early.EarlyContext | None = None,
+) -> None:
     """Rank 0's start-up timeline (seconds since its process started at each mark: main,
     process_group, model_on_meta, parallelized, step1_done, steps_done, finished) and its
     compile-cache counters, where its compiles' time went (dynamo's phase clocks, the Triton
     kernels it compiled itself), for the runner's record; with trainer.warm_attention, what
-    the warm-up took and how long the build waited for it."""
+    the warm-up took and how long the build waited for it; with trainer.early_cuda_context,
+    when the context's thread started, what it took and how long the build waited for it."""
     info = {
         "marks_s": timeline.marks,
         "compile_counters": compile_counters(),
@@ -254,14 +261,21 @@ def write_startup(path: Path, timeline: Timeline, warm_up: AttentionWarmUp | Non
     }
     if warm_up is not None:
         info["attention_warm_up"] = warm_up.summary()
+    if early_context is not None:
+        info["early_cuda_context"] = early_context.summary()
     path.write_text(json.dumps(info) + "\n")
 
 
 def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
-        startup_path=None) -> None:  # fmt: skip
+        startup_path=None, early_context: early.EarlyContext | None = None) -> None:  # fmt: skip
+    """The trainer's run: build, measured steps, start-up record. `early_context`: the CUDA
+    context's thread that __main__ started before the imports (trainer/early.py), joined
+    before the build's first CUDA call."""
     timeline = Timeline()
     timeline.mark("main")
     sampler = stacks.start(cfg.trainer.sample_stacks_ms, timeline.marks)
+    if early_context is not None:
+        early_context.join()
     tr = build(cfg, out, timeline)
     try:
         steps(tr, out, timeline, profile_dir, explain_dir)
@@ -273,7 +287,7 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
         out_dir = profiling.output_dir(cfg.trainer, profile_dir)
         sampler.write(out_dir / f"stacks_rank{tr.rank}.txt")
     if startup_path is not None and tr.rank == 0:
-        write_startup(Path(startup_path), timeline, tr.attention_warm_up)
+        write_startup(Path(startup_path), timeline, tr.attention_warm_up, early_context)
 
 
 def steps(tr: Trainer, out, timeline: Timeline, profile_dir, explain_dir) -> None:
@@ -299,8 +313,9 @@ def steps(tr: Trainer, out, timeline: Timeline, profile_dir, explain_dir) -> Non
         dist.destroy_process_group()
 
 
-def main(argv: list[str]) -> int:
-    """Exit status: 0 done, 2 a config/mesh/corpus/environment problem, 1 anything else."""
+def main(argv: list[str], early_context: early.EarlyContext | None = None) -> int:
+    """Exit status: 0 done, 2 a config/mesh/corpus/environment problem, 1 anything else.
+    `early_context`: trainer/early.py's thread, started by __main__ before these imports."""
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: python -m moe_perf.trainer CONFIG.yaml [section.key=value ...]", file=sys.stderr
@@ -314,6 +329,7 @@ def main(argv: list[str]) -> int:
             profile_dir=arm_dir / "profile",
             explain_dir=arm_dir / "explain",
             startup_path=arm_dir / "startup.json",
+            early_context=early_context,
         )
         return 0
     except (*USER_ERRORS, TrainerError) as e:

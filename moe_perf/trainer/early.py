@@ -1,0 +1,83 @@
+"""The device's context created while the trainer imports (trainer.early_cuda_context).
+
+A warm arm's first seconds are serial: torch's import, then the trainer's (dynamo's among
+them, about 1 s), then the CUDA context (0.48 s on an H100), then the build. The context needs
+only torch and the rank's device, so `start` creates it in a thread as soon as torch is
+imported, while the main thread imports the rest; the build's first CUDA call then finds it
+made (torch's lazy initialisation is guarded by its own lock, so a main thread that gets there
+first waits for it, never makes a second). Only the driver's calls can overlap the imports:
+where torch holds the GIL through them, the thread gains nothing, which the benchmark shows
+(bench/gpu_time_to_decision.sh).
+
+`start` runs before `moe_perf.trainer.train` is imported, so it reads the config itself; a
+config it cannot read starts nothing and `train.main` reports the problem.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from moe_perf.common.config import load_config
+from moe_perf.trainer.runtime import process_age_s
+
+EARLY_CONTEXT_THREAD = "moe_perf-early-cuda-context"
+
+
+@dataclass
+class EarlyContext:
+    """The thread making the context and what it took, for startup.json."""
+
+    thread: threading.Thread
+    device: int
+    started_s: float  # seconds since the process started, when the thread started
+    seconds: float | None = None
+    waited_s: float | None = None  # how long the build's join waited for it
+    error: str | None = None
+
+    def join(self) -> None:
+        t0 = time.perf_counter()
+        self.thread.join()
+        self.waited_s = round(time.perf_counter() - t0, 3)
+
+    def summary(self) -> dict:
+        return {"device": self.device, "started_s": self.started_s, "seconds": self.seconds,
+                "waited_s": self.waited_s, "error": self.error}  # fmt: skip
+
+
+def wanted(argv: list[str]) -> bool:
+    """Whether the config (argv: CONFIG.yaml [overrides]) asks for the early context on a GPU."""
+    try:
+        cfg = load_config(argv[0], argv[1:])
+    except Exception:  # train.main reads it again and says what is wrong
+        return False
+    if not cfg.trainer.early_cuda_context or cfg.training.device == "cpu":
+        return False
+    return torch.cuda.is_available()
+
+
+def start(argv: list[str]) -> EarlyContext | None:
+    """The context of this rank's device (LOCAL_RANK) made in a thread, or None when the
+    config does not ask for it or no GPU is there."""
+    if not argv or not wanted(argv):
+        return None
+    device = int(os.environ.get("LOCAL_RANK", 0))
+
+    def make() -> None:
+        t0 = time.perf_counter()
+        try:
+            torch.cuda.init()
+            with torch.cuda.device(device):  # the primary context of this rank's device
+                torch.empty(1, device=f"cuda:{device}")
+        except Exception as e:  # the build makes the same calls and reports them
+            early.error = f"{type(e).__name__}: {e}"
+        early.seconds = round(time.perf_counter() - t0, 3)
+
+    early = EarlyContext(threading.Thread(target=make, name=EARLY_CONTEXT_THREAD, daemon=True),
+                         device, round(process_age_s(), 3))  # fmt: skip
+    early.thread.start()
+    return early
