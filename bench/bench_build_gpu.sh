@@ -11,7 +11,8 @@
 # repeats the launch REPEATS (default 8) times: the same result, more GPU time per gather.
 # Sweep `build` (-m repeat=0,1 arm=base,feat, trainer.build in place, build cache in OUT_DIR)
 # builds each commit once and measures it; sweep `cached` (-m arm=base,feat) finds both builds
-# in the cache. bench.txt in OUT_DIR collects: per arm the build's status, whether it was
+# in the cache (SWEEPS, default "build cached"; PAIRS, default 0,1, the build sweep's repeats;
+# MICRO, default 4). bench.txt in OUT_DIR collects: per arm the build's status, whether it was
 # reused or restored, its time, the extension file and hash it loaded, the step time; then the
 # comparisons. Needs nvcc (CUDA_HOME or PATH) and setuptools for the arms' python.
 set -euo pipefail
@@ -22,7 +23,9 @@ OUT=$(mkdir -p "$2" && cd "$2" && pwd)
 REPEATS=${3:-8}
 PY=${PYTHON:-python}
 STEPS=${STEPS:-8}
-MICRO=${MICRO:-8}  # micro-batch / torchtitan's local batch (eager: 8 fits an 80 GB H100)
+MICRO=${MICRO:-4}  # micro-batch / torchtitan's local batch (eager: 8 ran out of memory on an 80 GB H100)
+PAIRS=${PAIRS:-0,1}  # the build sweep's repeats
+SWEEPS=${SWEEPS:-build cached}
 
 command -v nvcc >/dev/null || [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ] || {
   echo "nvcc not found: set CUDA_HOME or put the CUDA toolkit's bin on PATH" >&2; exit 2; }
@@ -151,5 +154,10 @@ PYEOF
   cat "$OUT/$name/comparison.md" >> "$OUT/bench.txt" 2>/dev/null || echo "(no comparison)" >> "$OUT/bench.txt"
 }
 
-sweep build -m repeat=0,1 arm=base,feat
-sweep cached -m arm=base,feat
+for name in $SWEEPS; do
+  case $name in
+    build) sweep build -m "repeat=$PAIRS" arm=base,feat ;;
+    cached) sweep cached -m arm=base,feat ;;
+    *) echo "SWEEPS: unknown sweep $name (build cached)" >&2; exit 2 ;;
+  esac
+done

@@ -22,7 +22,8 @@
 # measured), logs.tar.gz (every part's log and records) and run.log (this script's output).
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
-# tiny model's CPU shapes (the plumbing, not figures). Environment: SWITCH, PYTHON (python3), BUDGET_S
+# tiny model's CPU shapes (the plumbing, not figures). Environment: SWITCH, PARTS (the parts
+# after 1 to run, default "2 3 4 5"), PYTHON (python3), BUDGET_S
 # (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
 # (recorded when the tree has no git history).
 set -uo pipefail
@@ -38,6 +39,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-480}
 SWITCH=${SWITCH:-trainer.early_cuda_context}
+PARTS=${PARTS:-2 3 4 5}  # part 1 always runs: its arms fill the compile cache the others load
 DRY=false
 [[ $MODE == --dry-run ]] && DRY=true
 if ! $DRY && [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
@@ -97,6 +99,12 @@ run() {  # LABEL COMMAND...: printed; unless --dry-run, run (output in logs/LABE
   ((rc == 0)) || note "$label: exit $rc (logs/$label.log)"
   publish
   return "$rc"
+}
+
+want() {  # N: whether part N is in PARTS; if not, "Not run" says so
+  [[ " $PARTS " == *" $1 "* ]] && return 0
+  note "part $1: not in PARTS=\"$PARTS\""
+  return 1
 }
 
 fits() {  # ESTIMATE_S PART: whether an optional part's estimate ends within BUDGET_S
@@ -168,7 +176,7 @@ run startup "$PY" "$HERE/bench/bench_startup.py" "$WORK/startup" --runs "$FIRST_
   "${STARTUP[@]}" --cache "$CACHE"
 
 echo "== 2. $SWITCH on warm arms: ${WARM_ORDER[*]}"
-for switch in "${WARM_ORDER[@]}"; do
+want 2 && for switch in "${WARM_ORDER[@]}"; do
   next_label "$switch"
   value=false
   [[ $switch == on ]] && value=true
@@ -176,7 +184,7 @@ for switch in "${WARM_ORDER[@]}"; do
 done
 
 echo "== 3. one warm arm attributed (bench/startup_breakdown.py)"
-run breakdown "$PY" "$HERE/bench/bench_startup.py" "$WORK/breakdown" --runs 1 "${STARTUP[@]}" \
+want 3 && run breakdown "$PY" "$HERE/bench/bench_startup.py" "$WORK/breakdown" --runs 1 "${STARTUP[@]}" \
   --cache "$CACHE" --warm "${BREAKDOWN[@]}"
 
 echo "== 4. the step (bench_trainer.py): ${STEP_ORDER[*]}"
@@ -187,6 +195,7 @@ if ! $DRY; then
   mapfile -t BYTECODE < <("$PY" -c 'from moe_perf.runner.compile_cache import bytecode_env
 for k, v in bytecode_env().items(): print(f"{k}={v}")')
 fi
+want 4 || STEP_ORDER=()
 for variant in "${STEP_ORDER[@]}"; do
   if [[ $variant == fp8* && -n $missing ]]; then
     note "step $variant: dtype=fp8: $missing"
@@ -196,7 +205,7 @@ for variant in "${STEP_ORDER[@]}"; do
 done
 
 echo "== 5. if time is left: $SWITCH on cold arms; torchtitan"
-if [[ $MODE != --smoke ]]; then
+if [[ $MODE != --smoke ]] && want 5; then
   for switch in off on; do
     fits 45 "cold arm, $SWITCH $switch" || break
     value=false
