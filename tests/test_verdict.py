@@ -139,6 +139,12 @@ def test_max_pairs_one_can_never_decide_and_says_so():
     assert not keep_adding(v, plan)
 
 
+def test_one_fixed_repeat_names_the_repeats_not_max_pairs():
+    """-m repeat=0 is one fixed pair: the remedy is more repeats, not compare.max_pairs."""
+    v = decide([1.0], [1.5], Plan(max_pairs=1, sequential=False))
+    assert v.word == UNKNOWN and "repeat" in v.reason and "max_pairs" not in v.reason
+
+
 def test_same_when_the_interval_lies_inside_the_effect():
     base, feat = medians([0.001, -0.001, 0.0015, -0.0005, 0.0, 0.0005])
     v = decide(base, feat)

@@ -282,6 +282,11 @@ def _reason(word, seen: Look, plan: Plan, low, more: int | None, far: int | None
         return f"the interval lies inside +/-{effect}"
     if word == DIFFERENT:
         return "the interval excludes zero"
+    if plan.max_pairs < 2 and not plan.sequential:
+        return (
+            "one fixed repeat runs one pair, which gives no run-to-run spread: leave repeat "
+            "at auto (the default) or sweep several, e.g. -m repeat=0,1,2,3, for a verdict"
+        )
     if plan.max_pairs < 2:
         return (
             "compare.max_pairs=1 runs one pair, which gives no run-to-run spread: "
