@@ -225,9 +225,8 @@ def figure(report: dict):
     for row, ((model, family), groups) in zip(axes, found.items(), strict=True):
         _draw(row[0], groups, "step_time_s", "step time (s)")
         _draw(row[1], groups, "tokens_per_s", "tokens/s")
-        row[0].set_title(f"{model}  {family}: step time against imbalance", fontsize=9,
-                         loc="left")  # fmt: skip
-        row[1].set_title("tokens/s against imbalance", fontsize=9, loc="left")
+        # the row's (model, tag) over its left panel; each panel's y label names its metric
+        row[0].set_title(f"{model}  {family}", fontsize=9, loc="left")
     return fig
 
 
