@@ -20,7 +20,7 @@ from moe_perf.runner.callback import CompareCallback
 APP = textwrap.dedent(
     '''
     """A stand-in for the runner: one arm's console log and metrics.json per job."""
-    import json
+    import dataclasses
     from pathlib import Path
 
     import hydra
@@ -45,13 +45,13 @@ APP = textwrap.dedent(
         log = arm_dir / "console.log"
         log.write_text("\\n".join(lines) + "\\n")
         record = record_from_log(log, cfg.arm, "contract")
-        record.pop("_path")
-        record.update(model=cfg.model, tag=cfg.tag, repeat=cfg.repeat, sha="d" * 40,
-                      ref=cfg.arm, arm_dir=str(arm_dir),
-                      config=OmegaConf.to_container(cfg, resolve=True))
+        record = dataclasses.replace(record, model=cfg.model, tag=cfg.tag, repeat=cfg.repeat,
+                                     sha="d" * 40, ref=cfg.arm, arm_dir=str(arm_dir),
+                                     config=OmegaConf.to_container(cfg, resolve=True))
         if cfg.arm == cfg.fail_arm:
-            record.update(exit_code=1, failure="trainer exited with code 1 (planted)")
-        (arm_dir / "metrics.json").write_text(json.dumps(record))
+            record = dataclasses.replace(record, exit_code=1,
+                                         failure="trainer exited with code 1 (planted)")
+        record.dump(arm_dir / "metrics.json")
 
 
     if __name__ == "__main__":

@@ -6,6 +6,7 @@ parsed and summarized by moe_perf's own code, then saved as metrics.json in a sw
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,7 +19,9 @@ from helpers.pictures import drawn, png_pixels
 from moe_perf.common.contract import format_step
 from moe_perf.report import cli
 from moe_perf.report import comparison as compare
+from moe_perf.report.record import summarize
 from moe_perf.report.render import figure
+from moe_perf.report.results import Step
 from moe_perf.runner import outputs
 
 TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
@@ -64,9 +67,8 @@ def write_arm(
     name = f"{tag}-{arm}" + (f"-r{repeat}" if repeat is not None else "")
     arm_dir = sweep / model / name
     log = write_log(arm_dir / "console.log", step_times)
-    record = compare.record_from_log(log, arm, "contract")
-    record.pop("_path")
-    record.update(
+    record = dataclasses.replace(
+        compare.record_from_log(log, arm, "contract"),
         model=model,
         tag=tag,
         repeat=repeat or 0,
@@ -76,8 +78,8 @@ def write_arm(
         arm_dir=str(arm_dir),
         config={**(config or CONFIG), "arm": {"name": arm}, "repeat": repeat or 0},
     )
-    record.update(fields)
-    (arm_dir / "metrics.json").write_text(json.dumps(record))
+    record = dataclasses.replace(record, **fields)
+    record.dump(arm_dir / "metrics.json")
     return arm_dir
 
 
@@ -92,7 +94,7 @@ def test_summarize_drops_first_step_medians_and_peak():
         {"step": 3, "step_time_s": 0.7, "tokens_per_s": 80.0, "peak_mem_gib": 3.0, "mfu": None},
         {"step": 4, "step_time_s": 0.6, "tokens_per_s": 90.0, "peak_mem_gib": 1.0, "mfu": None},
     ]
-    summary = compare.summarize(steps)
+    summary = summarize(steps)
     assert summary["steps_measured"] == 3
     assert summary["step_time_s"] == 0.6
     assert summary["tokens_per_s"] == 90.0
@@ -102,7 +104,7 @@ def test_summarize_drops_first_step_medians_and_peak():
 
 def test_stability_warning():
     def steps(times):
-        return [{"step": i, "step_time_s": t} for i, t in enumerate(times, start=1)]
+        return [Step(i, step_time_s=t) for i, t in enumerate(times, start=1)]
 
     assert compare.stability_warning(steps([5.0, 1.0, 1.05, 1.02, 0.98])) is None
     warning = compare.stability_warning(steps([5.0, 1.0, 1.6, 1.0, 1.0]))
@@ -131,7 +133,7 @@ def test_sweep_feat_slower_table_and_files(tmp_path):
 
     saved = json.loads((tmp_path / "comparison.json").read_text())
     assert saved["schema"] == "moe_perf.comparison/2"
-    assert compare.read_comparison(tmp_path / "comparison.json")["groups"][0]["verdict"]
+    assert compare.read_comparison(tmp_path / "comparison.json").groups[0].verdict
     assert saved["groups"][0]["arms"]["base"]["step_time_s"]["median"] == pytest.approx(0.40)
     assert (tmp_path / "comparison.md").read_text() == text
     assert png_pixels(tmp_path / "comparison.png") == (1300, 380)  # one row: one (model, tag)
@@ -153,9 +155,9 @@ def test_latest_sweep_only_and_previous_ignored(tmp_path):
     write_arm(tmp_path, "base", flat([0.5] * 7), sweep_id="new")
 
     records, _ = compare.load_sweep(tmp_path)
-    assert sorted(r["arm"] for r in records) == ["base", "feat"]
-    assert {r["sweep_id"] for r in records} == {"new"}
-    assert all("previous" not in r["_path"] for r in records)
+    assert sorted(r.arm for r in records) == ["base", "feat"]
+    assert {r.sweep_id for r in records} == {"new"}
+    assert all("previous" not in r.path.parts for r in records)
 
 
 def test_config_difference_refuses_with_keys(tmp_path):

@@ -3,6 +3,7 @@ planned against measured, and the picture of step time against imbalance (what i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,11 +47,11 @@ def write_arm(sweep: Path, arm: str, repeat: int, tag: str, routing: dict, step_
              for s in range(1, 6)]  # fmt: skip
     (arm_dir / "console.log").write_text("\n".join(lines) + "\n")
     record = compare.record_from_log(arm_dir / "console.log", arm, "contract")
-    record.pop("_path")
     sha = "a" * 40 if arm == "base" else "b" * 40
-    record.update(model="tiny", tag=tag, repeat=repeat, sha=sha, sweep_id="s1",
-                  config={**config(routing), "arm": {"name": arm}, "repeat": repeat})  # fmt: skip
-    (arm_dir / "metrics.json").write_text(json.dumps(record))
+    record = dataclasses.replace(record, model="tiny", tag=tag, repeat=repeat, sha=sha,
+                                 sweep_id="s1", config={**config(routing), "arm": {"name": arm},
+                                                        "repeat": repeat})  # fmt: skip
+    record.dump(arm_dir / "metrics.json")
 
 
 def skew_sweep(sweep: Path) -> None:

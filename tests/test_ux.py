@@ -24,8 +24,9 @@ from moe_perf.launchers.process import run_trainer
 from moe_perf.logs import LogReader
 from moe_perf.logs.progress import StepProgress, UnmatchedLines, clock_time
 from moe_perf.report.comparison import compare_records
-from moe_perf.report.record import summarize
+from moe_perf.report.record import SCHEMA, summarize
 from moe_perf.report.render import figure, verdict, write_outputs
+from moe_perf.report.results import ArmRecord
 from moe_perf.runner.progress import RankThreads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,14 +199,16 @@ def test_a_sweep_counts_arms_lists_its_files_and_ends_with_a_verdict(ab_repo):
 
 
 def arm_record(arm: str, repeat: int, step_s: float, failed: bool = False, sha: str = "a",
-               tag: str = "pp1-dp1-cp1-ep1-seq64-fp32") -> dict:  # fmt: skip
+               tag: str = "pp1-dp1-cp1-ep1-seq64-fp32") -> ArmRecord:  # fmt: skip
     steps = [{"step": s, "step_time_s": step_s * (3 if s == 1 else 1 + 0.01 * (s % 3)),
               "tokens_per_s": 256 / step_s, "peak_mem_gib": 0.5, "loss": 5.0}
              for s in range(1, 3 if failed else 9)]  # fmt: skip
-    return {"model": "tiny", "tag": tag, "arm": arm, "repeat": repeat, "sha": sha * 40,
-            "ref": arm, "status": "failed" if failed else "ok", "exit_code": 1 if failed else 0,
-            "failure": "trainer exited with code 1" if failed else None, "log": "console.log",
-            "steps": steps, "summary": summarize(steps), "config": {}}  # fmt: skip
+    return ArmRecord.from_dict({
+        "schema": SCHEMA, "model": "tiny", "tag": tag, "arm": arm, "repeat": repeat,
+        "sha": sha * 40, "ref": arm, "status": "failed" if failed else "ok",
+        "exit_code": 1 if failed else 0,
+        "failure": "trainer exited with code 1" if failed else None, "log": "console.log",
+        "steps": steps, "summary": summarize(steps), "config": {}})  # fmt: skip
 
 
 def draw(tmp_path: Path, records: list[dict]) -> tuple[dict, list[DrawnAxes]]:
@@ -217,10 +220,10 @@ def draw(tmp_path: Path, records: list[dict]) -> tuple[dict, list[DrawnAxes]]:
     return report, [drawn(ax) for ax in figure(report).axes]
 
 
-def drawn_steps(record: dict) -> tuple[list[float], list[float]]:
+def drawn_steps(record: ArmRecord) -> tuple[list[float], list[float]]:
     """The line a run should get: its steps from 2 on (step 1 is warm-up) and their times."""
-    steps = record["steps"][1:]
-    return [float(s["step"]) for s in steps], [s["step_time_s"] for s in steps]
+    steps = record.steps[1:]
+    return [float(s.step) for s in steps], [s.step_time_s for s in steps]
 
 
 def test_picture_of_an_ab_run(tmp_path):
@@ -253,7 +256,7 @@ def test_picture_of_a_repeat_sweep(tmp_path):
     report, (steps, tokens, _) = draw(tmp_path, records)
     assert "DIFFERENT" in verdict(report["groups"][0])
     for record in records:
-        assert steps.lines[f"{record['arm']} r{record['repeat']}"] == drawn_steps(record)
+        assert steps.lines[f"{record.arm} r{record.repeat}"] == drawn_steps(record)
     assert {"base spread of 3 runs", "feat spread of 3 runs"} <= set(steps.legend)
     assert len(tokens.points) == 6  # every run a dot beside its arm's bar
     assert [xs for xs, _ in tokens.points] == [[0.0]] * 3 + [[1.0]] * 3

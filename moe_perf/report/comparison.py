@@ -7,32 +7,31 @@ min-max spread of those), and a run whose step times spread widely is called uns
 plain words. The verdict (SAME, DIFFERENT or UNKNOWN with a confidence interval) comes from
 the run medians of base/feat pairs, by moe_perf/stats/verdict.py under the sweep's plan.
 
-The one summary rule, `summarize(steps)`, lives in records.py (metrics.json): a run read from
-a console log here is summarized exactly as the runner summarizes an arm.
+The one summary rule, `Summary.of(steps)`, lives with the typed record (report/results/): a run
+read from a console log here is summarized exactly as the runner summarizes an arm.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
 from moe_perf import logs
-from moe_perf.common.contract import METRICS as STEP_METRICS
 from moe_perf.report import imbalance, render_explain
 from moe_perf.report.explain import explain_group
 from moe_perf.report.imports import import_warnings
-from moe_perf.report.record import ARMS, load_record, measured_steps, summarize
-from moe_perf.report.record import SCHEMA as ARM_SCHEMA
+from moe_perf.report.record import ARMS, load_record
 from moe_perf.report.record import config_differences as _differences
 from moe_perf.report.render import render, write_outputs
+from moe_perf.report.results.arm import ArmRecord, Step, Summary, settling
+from moe_perf.report.results.comparison import METRICS, SCHEMA, Comparison
 from moe_perf.report.sweep import current_sweep_id, load_plan
 from moe_perf.stats.verdict import MEMORY_TOLERANCE, Plan, decide, decide_memory
 
-SCHEMA = "moe_perf.comparison/2"  # /2: each group's `verdict` and `plan`
-READABLE_SCHEMAS = ("moe_perf.comparison/1", SCHEMA)
-METRICS = tuple(m for m in STEP_METRICS if m != "loss")  # compared between arms
 # A run is called unstable when its step times (first step dropped) span more than this
 # fraction of their median. Plain max-min rather than a standard deviation: with 7 steps one
 # straggler is exactly what we want to see.
@@ -43,18 +42,18 @@ MIN_STEPS_TO_JUDGE = 3
 # ---- one run ---------------------------------------------------------------------------------
 
 
-def stability_warning(steps: list[dict]) -> str | None:
+def stability_warning(steps: Sequence[Step]) -> str | None:
     """A plain sentence when the run's measured step times (step 1 and the settling steps
     dropped) spread too much to trust its median."""
-    times = [s["step_time_s"] for s in measured_steps(steps) if s.get("step_time_s") is not None]
+    times = [s.step_time_s for s in settling(steps)[0] if s.step_time_s is not None]
     if len(times) < MIN_STEPS_TO_JUDGE:
         return f"only {len(times)} measured step(s): too few to judge stability"
     low, high, mid = min(times), max(times), statistics.median(times)
     spread = (high - low) / mid if mid > 0 else 0.0
     if spread <= UNSTABLE_SPREAD:
         return None
-    settling = summarize(steps)["steps_settling"]
-    dropped = "first step" + (f" and {settling} settling" if settling else "")
+    settled = Summary.of(steps).steps_settling
+    dropped = "first step" + (f" and {settled} settling" if settled else "")
     return (
         f"looks unstable: step times span {spread:.0%} of the median "
         f"({low:.4g}-{high:.4g} s, {dropped} dropped); its numbers are less reliable"
@@ -64,24 +63,23 @@ def stability_warning(steps: list[dict]) -> str | None:
 # ---- loading ---------------------------------------------------------------------------------
 
 
-def _latest_sweep(records: list[dict], current: str | None) -> list[dict]:
+def _latest_sweep(records: list[ArmRecord], current: str | None) -> list[ArmRecord]:
     """Only the records of the current sweep: the one the runner's state file names, else the
     `sweep_id` whose records were written last. (A current sweep whose arms all failed before
     writing a record must not show an earlier sweep's numbers as if they were its own.)"""
     if current is not None:
-        return [r for r in records if r.get("sweep_id") == current]
+        return [r for r in records if r.sweep_id == current]
     newest: dict = {}
     for record in records:
-        mtime = Path(record["_path"]).stat().st_mtime
-        key = record.get("sweep_id")
-        newest[key] = max(newest.get(key, 0.0), mtime)
+        mtime = Path(record.path).stat().st_mtime
+        newest[record.sweep_id] = max(newest.get(record.sweep_id, 0.0), mtime)
     if len(newest) <= 1:
         return records
     latest = max(newest, key=newest.get)
-    return [r for r in records if r.get("sweep_id") == latest]
+    return [r for r in records if r.sweep_id == latest]
 
 
-def load_sweep(sweep_dir: Path) -> tuple[list[dict], list[str]]:
+def load_sweep(sweep_dir: Path) -> tuple[list[ArmRecord], list[str]]:
     """Every arm record under the sweep dir, current sweep only, `previous/` dirs ignored."""
     found, notes = [], []
     for path in sorted(sweep_dir.rglob("metrics.json")):
@@ -94,7 +92,7 @@ def load_sweep(sweep_dir: Path) -> tuple[list[dict], list[str]]:
             found.append(record)
     records = _latest_sweep(found, current_sweep_id(sweep_dir))
     if len(records) < len(found):
-        ids = sorted({str(r.get("sweep_id")) for r in records}) or [current_sweep_id(sweep_dir)]
+        ids = sorted({str(r.sweep_id) for r in records}) or [current_sweep_id(sweep_dir)]
         notes.append(
             f"{len(found) - len(records)} record(s) of earlier sweeps ignored; "
             f"showing sweep {', '.join(map(str, ids))}"
@@ -103,90 +101,81 @@ def load_sweep(sweep_dir: Path) -> tuple[list[dict], list[str]]:
 
 
 def record_from_log(path: Path, arm: str, fmt: str = "auto",
-                    shape: logs.RunShape | None = None) -> dict:  # fmt: skip
-    """An arm record (schema moe_perf.arm/1, the fields a comparison needs) from a console log,
-    its format detected (`auto`) or named, its figures normalized with the run's `shape`."""
+                    shape: logs.RunShape | None = None) -> ArmRecord:  # fmt: skip
+    """An arm record (the fields a comparison needs) from a console log, its format detected
+    (`auto`) or named, its figures normalized with the run's `shape`."""
     parsed = logs.parse_log(path, fmt, shape)
-    steps, failure = parsed.steps, parsed.failure(max_steps=0)
-    return {
-        "schema": ARM_SCHEMA,
-        "model": "-",
-        "tag": "-",
-        "arm": arm,
-        "repeat": 0,
-        "ref": None,
-        "sha": None,
-        "status": "ok" if failure is None else "failed",
-        "failure": failure,
-        "log": str(Path(path).resolve()),
-        "steps": steps,
-        "summary": summarize(steps),
-        "environment": parsed.env or {},
-        "log_format": parsed.log_format,
-        "derivations": parsed.derivations,
-        "_path": str(path),
-    }
+    steps, failure = tuple(Step.from_dict(s) for s in parsed.steps), parsed.failure(max_steps=0)
+    return ArmRecord(
+        arm=arm,
+        status="ok" if failure is None else "failed",
+        failure=failure,
+        log=str(Path(path).resolve()),
+        steps=steps,
+        summary=Summary.of(steps),
+        environment=parsed.env or {},
+        extra={"log_format": parsed.log_format, "derivations": parsed.derivations},
+        path=Path(path),
+    )
 
 
 def load_arm(path: Path, arm: str, fmt: str = "auto",
-             shape: logs.RunShape | None = None) -> dict:  # fmt: skip
+             shape: logs.RunShape | None = None) -> ArmRecord:  # fmt: skip
     """A metrics.json file as it is, or a console log parsed into a record."""
     if path.suffix == ".json":
         record, note = load_record(path)
         if record is None:
             raise ValueError(note)
-        record["arm"] = arm
-        return record
+        return dataclasses.replace(record, arm=arm)
     return record_from_log(path, arm, fmt, shape)
 
 
 # ---- comparing -------------------------------------------------------------------------------
 
 
-def config_differences(records: list[dict]) -> list[dict]:
+def config_differences(records: list[ArmRecord]) -> list[dict]:
     """Keys whose values differ between the records' configs (the identity rule of record.py)."""
-    configs = {f"{r.get('arm')}-r{r.get('repeat', 0)}": r.get("config") or {} for r in records}
+    configs = {f"{r.arm}-r{r.repeat}": r.config or {} for r in records}
     return _differences(configs)
 
 
 ENV_KEYS = ("host", "devices", "world_size", "torch", "cuda", "nccl")
 
 
-def environment_differences(records: list[dict]) -> list[str]:
+def environment_differences(records: list[ArmRecord]) -> list[str]:
     """Environment fields that differ between base and feat runs: worth knowing, not a refusal
     (a cluster gives different hosts; a different GPU model or torch is another matter)."""
     notes = []
     for key in ENV_KEYS:
         seen: dict = {}
         for record in records:
-            value = (record.get("environment") or {}).get(key)
+            value = (record.environment or {}).get(key)
             if value is not None:
-                seen.setdefault(record.get("arm"), set()).add(json.dumps(value, sort_keys=True))
+                seen.setdefault(record.arm, set()).add(json.dumps(value, sort_keys=True))
         if "base" in seen and "feat" in seen and seen["base"] != seen["feat"]:
             values = "; ".join(f"{arm}: {', '.join(sorted(v))}" for arm, v in sorted(seen.items()))
             notes.append(f"environment `{key}` differs between arms ({values})")
     return notes
 
 
-def _run_entry(record: dict) -> dict:
-    steps = record.get("steps") or []
-    ok = record.get("status") == "ok"
-    summary = summarize(steps) if steps else (record.get("summary") or {})
+def _run_entry(record: ArmRecord) -> dict:
+    steps = record.steps
+    summary = Summary.of(steps) if steps else record.summary
     return {
-        "arm": record.get("arm"),
-        "repeat": record.get("repeat", 0),
-        "status": record.get("status", "failed"),
-        "exit_code": record.get("exit_code"),
-        "failure": record.get("failure"),
-        "sha": record.get("sha"),
-        "ref": record.get("ref"),
-        "log": record.get("log"),
-        "metrics_json": record.get("_path"),
-        "summary": summary,
-        "unstable": stability_warning(steps) if ok else None,
+        "arm": record.arm,
+        "repeat": record.repeat,
+        "status": record.status,
+        "exit_code": record.exit_code,
+        "failure": record.failure,
+        "sha": record.sha,
+        "ref": record.ref,
+        "log": record.log,
+        "metrics_json": str(record.path) if record.path is not None else None,
+        "summary": summary.to_dict(),
+        "unstable": stability_warning(steps) if record.ok else None,
         # the steady-state rule's words for a run that never settled: a verdict says so
-        "unsettled": summary.get("settling") if ok and summary.get("settled") is False else None,
-        "step_times": [[s["step"], s.get("step_time_s")] for s in steps],
+        "unsettled": summary.settling if record.ok and summary.settled is False else None,
+        "step_times": [[s.step, s.step_time_s] for s in steps],
     }
 
 
@@ -252,23 +241,28 @@ def _trusted(value) -> bool:
     return isinstance(value, (int, float)) and value == value and 0 < value < float("inf")
 
 
-def group_plan(records: list[dict], plan: Plan | None, pairs: int) -> Plan:
+def _compare_section(records: list[ArmRecord]) -> dict:
+    """The first record's `compare` config section ({} where none has one)."""
+    return next((r.section("compare") for r in records
+                 if isinstance(r.section("compare"), dict)), {})  # fmt: skip
+
+
+def group_plan(records: list[ArmRecord], plan: Plan | None, pairs: int) -> Plan:
     """The sweep's plan; without one (logs, sweeps of older versions) one look at the end at
     the records' own `compare` settings."""
     if plan is not None:
         return plan
-    compare = next((r["config"]["compare"] for r in records
-                    if isinstance((r.get("config") or {}).get("compare"), dict)), {})  # fmt: skip
+    compare = _compare_section(records)
     return Plan(effect=float(compare.get("effect", Plan.effect)),
                 confidence=float(compare.get("confidence", Plan.confidence)),
                 max_pairs=max(pairs, 1), sequential=False)  # fmt: skip
 
 
-def memory_tolerance(records: list[dict]) -> float:
+def memory_tolerance(records: list[ArmRecord]) -> float:
     for record in records:
-        compare = (record.get("config") or {}).get("compare")
-        if isinstance(compare, dict) and compare.get("memory_tolerance") is not None:
-            return float(compare["memory_tolerance"])
+        tolerance = record.section("compare", "memory_tolerance")
+        if tolerance is not None:
+            return float(tolerance)
     return MEMORY_TOLERANCE
 
 
@@ -287,7 +281,8 @@ def verdicts(runs: list[dict], plan: Plan, tolerance: float) -> dict:
     return found
 
 
-def compare_group(model: str, tag: str, records: list[dict], plan: Plan | None = None) -> dict:
+def compare_group(model: str, tag: str, records: list[ArmRecord],
+                  plan: Plan | None = None) -> dict:  # fmt: skip
     runs = sorted(
         (_run_entry(r) for r in records),
         key=lambda r: (_arm_rank(r["arm"]), r["repeat"] or 0),
@@ -300,7 +295,7 @@ def compare_group(model: str, tag: str, records: list[dict], plan: Plan | None =
         "tag": tag,
         "arms": {name: _arm_entry(arm_runs) for name, arm_runs in arms.items()},
         "runs": runs,
-        "config_differences": config_differences([r for r in records if r.get("config")]),
+        "config_differences": config_differences([r for r in records if r.config]),
         "environment_differences": environment_differences(records),
         "import_warnings": import_warnings(records),
         "difference": {},
@@ -335,14 +330,14 @@ def _arm_rank(arm: str | None) -> int:
     return ARMS.index(arm) if arm in ARMS else len(ARMS)
 
 
-def compare_records(records: list[dict], notes: list[str] | None = None,
+def compare_records(records: list[ArmRecord], notes: list[str] | None = None,
                     plan: Plan | None = None, **where) -> dict:  # fmt: skip
     """The comparison report (schema moe_perf.comparison/2) of arm records, per (model, tag),
     each decided under `plan` (the sweep's; None: one look at the end)."""
     groups: dict = {}
     for record in records:
-        groups.setdefault((record.get("model", "-"), record.get("tag", "-")), []).append(record)
-    sweep_ids = sorted({str(r["sweep_id"]) for r in records if r.get("sweep_id") is not None})
+        groups.setdefault((record.model, record.tag), []).append(record)
+    sweep_ids = sorted({str(r.sweep_id) for r in records if r.sweep_id is not None})
     return {
         "schema": SCHEMA,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -371,12 +366,7 @@ def compare_sweep(sweep_dir: Path | str, write: bool = True) -> tuple[dict, str]
     return report, render(report)
 
 
-def read_comparison(path: Path | str) -> dict:
-    """A comparison.json of this or an older schema; /1 reports have no verdict (None)."""
-    report = json.loads(Path(path).read_text())
-    if report.get("schema") not in READABLE_SCHEMAS:
-        raise ValueError(f"{path}: schema {report.get('schema')!r} is not one of "
-                         f"{', '.join(READABLE_SCHEMAS)}")  # fmt: skip
-    for group in report.get("groups", []):
-        group.setdefault("verdict", None)
-    return report
+def read_comparison(path: Path | str) -> Comparison:
+    """A comparison.json of this or an older schema; /1 reports have no verdict (None).
+    ComparisonError (a ValueError) says why a file is none."""
+    return Comparison.load(path)

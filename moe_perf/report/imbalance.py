@@ -25,7 +25,7 @@ from moe_perf.common.config import ConfigError, config_from_dict, skew_plan_of
 from moe_perf.common.routing import RoutingError, imbalance_text
 from moe_perf.report import figures
 from moe_perf.report.colours import arm_colour
-from moe_perf.report.record import IMBALANCE_METRICS
+from moe_perf.report.results.arm import IMBALANCE_METRICS, ArmRecord
 
 PLOT_NAME = "comparison_imbalance.png"
 # a measured imbalance equals the plan's when within this (relative): the contract line
@@ -37,10 +37,10 @@ _LABELS = {"expert_imbalance": "busiest expert / mean", "rank_imbalance": "busie
 # ---- the section -----------------------------------------------------------------------------
 
 
-def _routing_config(records: list[dict]) -> dict | None:
+def _routing_config(records: list[ArmRecord]) -> dict | None:
     """The group's routing section (the arms' configs are identical but for arm/repeat)."""
     for record in records:
-        routing = (record.get("config") or {}).get("routing")
+        routing = record.section("routing")
         if isinstance(routing, dict):
             return routing
     return None
@@ -81,13 +81,13 @@ def _matches(plan: dict | None, runs: list[dict]) -> bool | None:
     return all(abs(got - want) <= SAME * want for got, want in pairs)
 
 
-def routing_section(group: dict, records: list[dict]) -> dict | None:
+def routing_section(group: dict, records: list[ArmRecord]) -> dict | None:
     """The group's routing section; None under balanced routing (or no routing config)."""
     routing = _routing_config(records)
     if routing is None or routing.get("mode", "balanced") == "balanced":
         return None
     mode = routing["mode"]
-    config = next((r["config"] for r in records if r.get("config")), {})
+    config = next((r.config for r in records if r.config), {})
     plan = planned(config) if mode == "skew" else None
     keys = ("imbalance", "shape", "hot_experts", "hot_ranks") if mode == "skew" else ()
     return {

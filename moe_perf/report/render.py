@@ -9,7 +9,8 @@ from pathlib import Path
 
 from moe_perf.report import figures, imbalance, render_explain
 from moe_perf.report.colours import arm_colour
-from moe_perf.report.record import ARMS, strict_json
+from moe_perf.report.record import ARMS
+from moe_perf.report.results.files import strict_json
 from moe_perf.stats.verdict import Verdict, describe
 
 # ---- rendering -------------------------------------------------------------------------------
