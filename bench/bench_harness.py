@@ -250,7 +250,7 @@ def read_comparison(sweep_dir: Path, records: list[ArmRecord],
     path = sweep_dir / "comparison.json"
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8")), "comparison.json"
-    report = compare_records(records, notes, sweep_dir=str(sweep_dir))
+    report = compare_records(records, notes, sweep_dir=str(sweep_dir)).to_dict()
     return report, "moe_perf.report.comparison of the records (no comparison.json)"
 
 

@@ -14,6 +14,7 @@ import pytest
 from helpers.pictures import png_pixels
 from omegaconf import OmegaConf
 
+from moe_perf.report.results import Comparison
 from moe_perf.runner import callback
 from moe_perf.runner.callback import CompareCallback
 
@@ -144,5 +145,7 @@ def test_callback_constructs_without_arguments(tmp_path, capsys):
 def test_the_files_written_include_the_explain_picture(tmp_path):
     for name in ("comparison.md", "comparison.json", "comparison.png", "explain.png"):
         (tmp_path / name).write_text("")
-    (top,) = callback.written_files({"groups": []}, tmp_path)
+    nothing = Comparison(groups=(), created="2026-01-01T00:00:00+00:00", sweep_id=None,
+                         unstable_spread=0.2)  # fmt: skip
+    (top,) = callback.written_files(nothing, tmp_path)
     assert top.split()[1:] == ["comparison.json", "comparison.md", "comparison.png", "explain.png"]

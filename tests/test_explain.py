@@ -184,7 +184,7 @@ def test_a_planted_elementwise_pass_is_that_category(tmp_path):
     else:
         pytest.fail(f"three tries, the planted pass never beyond its noise: {row}")
     assert row["delta_ms"] > 0
-    text = "\n".join(render_explain.markdown({"explain": section}))
+    text = "\n".join(render_explain.markdown(section))
     assert "Moved most: norms/elementwise" in text and "not the measured steps" in text
 
 
@@ -208,9 +208,7 @@ def test_an_arm_without_traces_says_why(tmp_path):
     section = explain.explain_group([base, feat])
     assert "categories" not in section
     assert "cannot switch that trainer's profiler on" in section["missing"]["feat"]
-    assert any(
-        "No breakdown for feat" in line for line in render_explain.markdown({"explain": section})
-    )
+    assert any("No breakdown for feat" in line for line in render_explain.markdown(section))
 
 
 def h200_record(tmp_path: Path, arm: str) -> ArmRecord:
@@ -281,7 +279,7 @@ def test_gpu_kernels_are_attributed_and_a_planted_expert_gemm_found(tmp_path, on
     for key in ("dense_gemm", "expert_gemm", "attention", "all_to_all", "optimizer"):
         assert min(b["categories"][key]) > 0, key
     section = explain.explain_group([base, feat])
-    print("\n".join(render_explain.markdown({"explain": section})))
+    print("\n".join(render_explain.markdown(section)))
     rows = {r["category"]: r for r in section["categories"]}
     assert section["moved_most"] == "expert_gemm"
     assert rows["expert_gemm"]["beyond_noise"] and rows["expert_gemm"]["pct"] > 50
@@ -442,7 +440,7 @@ def aa_section(tmp_path_factory, one_rank_group) -> dict:
 
 
 def test_the_table_says_where_the_noise_is_the_floor_and_why(aa_section):
-    table = render_explain.markdown({"explain": aa_section})
+    table = render_explain.markdown(aa_section)
     floor = explain.NOISE_FLOOR_CPU * aa_section["arms"]["base"]["step_ms"]["median"]
     for row in aa_section["categories"]:
         if row["base_ms"] or row["feat_ms"]:
@@ -454,7 +452,7 @@ def test_the_table_says_where_the_noise_is_the_floor_and_why(aa_section):
 
 
 def test_the_table_says_why_the_categories_do_not_add_up_to_the_step(aa_section):
-    table = render_explain.markdown({"explain": aa_section})
+    table = render_explain.markdown(aa_section)
     arms = aa_section["arms"]
     added = {a: sum(c["median"] for c in arms[a]["categories"].values()) for a in arms}
     row = next(x for x in table if x.startswith("| categories added up |"))

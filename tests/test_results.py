@@ -4,7 +4,8 @@ tests/data/results/ holds two real sweeps, written by moe_perf at commit bb7b721
 typed results): `ab_repeats` is `python -m moe_perf <SMALL_RUN> -m arm=base,feat repeat=0,1`
 in a make_ab_repo repository (feature 50 ms a step slower), `failed_feat` the same with one
 pair and a feature branch whose trainer exits with code 3 after step 3. Each keeps its
-comparison.json, the arms' metrics.json and the sweep's state (.moe_perf/sweep.json, plan.json).
+comparison.json and comparison.md, the arms' metrics.json and the sweep's state
+(.moe_perf/sweep.json, plan.json).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from moe_perf.report import comparison
 from moe_perf.report.record import load_record
 from moe_perf.report.results import ArmRecord, RecordError, Step, Summary
 from moe_perf.report.results.comparison import Comparison, ComparisonError
-from moe_perf.runner import pairs
+from moe_perf.runner import bisect, pairs
 from moe_perf.stats.words import Verdict
 
 DATA = Path(__file__).resolve().parent / "data" / "results"
@@ -108,10 +109,16 @@ def _normalized(report: dict) -> dict:
 @pytest.mark.parametrize("name", ["ab_repeats", "failed_feat"])
 def test_the_real_records_compare_as_they_did_when_written(name, tmp_path):
     sweep = shutil.copytree(DATA / name, tmp_path / name)
-    report, text = comparison.compare_sweep(sweep, write=False)
+    report, text = comparison.compare_sweep(sweep)
     written = json.loads((DATA / name / "comparison.json").read_text())
-    assert _normalized(report) == _normalized(written)
-    assert "| feat vs base |" in text or "FAILED" in text
+    assert _normalized(report.to_dict()) == _normalized(written)
+    again = json.loads((sweep / "comparison.json").read_text())  # rewritten where it lies now
+    assert _normalized(again) == _normalized(written) and again["files"] == written["files"]
+    assert (sweep / "comparison.md").read_text() == text
+    # the table and the words as they were printed, the sweep's directory where it was then
+    printed = (DATA / name / "comparison.md").read_text()
+    assert text.replace(str(sweep), written["sweep_dir"]) == printed
+    assert comparison.render(Comparison.from_dict(written)) == printed
 
 
 def schema_1(record: dict) -> dict:
@@ -227,3 +234,21 @@ def test_a_step_keeps_what_the_trainer_printed_beyond_the_contract():
     step = Step.from_dict(printed)
     assert step.value("aux_loss") == 0.002 and step.value("expert_imbalance") is None
     assert step.to_dict() == printed and list(step.to_dict()) == list(printed)
+
+
+@pytest.mark.parametrize(
+    ("name", "word", "failed"),
+    [("ab_repeats", "DIFFERENT", None),
+     ("failed_feat", None, "feat failed: trainer exited with code 3 (rank 0)"),
+     ("nothing", None, "the sweep wrote no comparison (exit code 3)")],
+)  # fmt: skip
+def test_a_bisect_probe_reads_its_sweeps_comparison(name, word, failed):
+    probe = bisect.Probe(sha="0" * 40, subject="a commit", sweep_dir=str(DATA / name))
+    bisect.read_verdict(probe, DATA / name, exit_code=3)
+    assert (probe.word, probe.failed) == (word, failed)
+    if word:
+        written = json.loads((DATA / name / "comparison.json").read_text())
+        verdict = written["groups"][0]["verdict"]["step_time_s"]
+        assert (probe.estimate, probe.low, probe.high) == (verdict["estimate"], verdict["low"],
+                                                           verdict["high"])  # fmt: skip
+        assert probe.pairs == 2

@@ -345,12 +345,12 @@ def test_comparison_flags_a_run_that_never_settled_in_plain_words():
                              "sha": "b" * 40}, Path("feat.json")),
     ]  # fmt: skip
     report = comparison.compare_records(records)
-    base, feat = report["groups"][0]["runs"]
-    assert base["unsettled"] is None and base["summary"]["settled"] is True
-    assert feat["unsettled"].startswith("never settled in the first half of the run: steps 2-4")
-    assert feat["summary"]["steps_settling"] == 3
+    base, feat = report.groups[0].runs
+    assert base.unsettled is None and base.summary.settled is True
+    assert feat.unsettled.startswith("never settled in the first half of the run: steps 2-4")
+    assert feat.summary.steps_settling == 3
     text = comparison.render(report)
-    assert f"- Warning: feat r0 {feat['unsettled']}" in text
+    assert f"- Warning: feat r0 {feat.unsettled}" in text
     # the instability warning stays, and says what was dropped
     assert "feat r0 looks unstable" not in text  # 1.00-1.15 s: 15%, within 20%
     unstable = comparison.stability_warning([Step.from_dict(s) for s in steps_of(

@@ -93,7 +93,7 @@ def compare_paths(base: Path, feat: Path, fmt: str = "auto", out_dir: Path | Non
                      + (f": {how}" if how else ""))  # fmt: skip
     report = compare_records(records, notes)
     if out_dir is not None:
-        write_outputs(report, out_dir)
+        report = write_outputs(report, out_dir)
     return report, render(report)
 
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a record the checks let through: one line, never a traceback
         print(f"moe_perf.compare: could not compare ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    print(strict_json(report) if args.json else text, end="")
+    print(strict_json(report.to_dict()) if args.json else text, end="")
     return 0
 
 

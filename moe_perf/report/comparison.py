@@ -28,9 +28,18 @@ from moe_perf.report.record import ARMS, load_record
 from moe_perf.report.record import config_differences as _differences
 from moe_perf.report.render import render, write_outputs
 from moe_perf.report.results.arm import ArmRecord, Step, Summary, settling
-from moe_perf.report.results.comparison import METRICS, SCHEMA, Comparison
+from moe_perf.report.results.comparison import (
+    METRICS,
+    SCHEMA,
+    ArmFigures,
+    Comparison,
+    Difference,
+    Group,
+    Run,
+    Spread,
+)
 from moe_perf.report.sweep import current_sweep_id, load_plan
-from moe_perf.stats.verdict import MEMORY_TOLERANCE, Plan, decide, decide_memory
+from moe_perf.stats.verdict import MEMORY_TOLERANCE, Plan, Verdict, decide, decide_memory
 
 # A run is called unstable when its step times (first step dropped) span more than this
 # fraction of their median. Plain max-min rather than a standard deviation: with 7 steps one
@@ -158,43 +167,38 @@ def environment_differences(records: list[ArmRecord]) -> list[str]:
     return notes
 
 
-def _run_entry(record: ArmRecord) -> dict:
+def _run_entry(record: ArmRecord) -> Run:
     steps = record.steps
     summary = Summary.of(steps) if steps else record.summary
-    return {
-        "arm": record.arm,
-        "repeat": record.repeat,
-        "status": record.status,
-        "exit_code": record.exit_code,
-        "failure": record.failure,
-        "sha": record.sha,
-        "ref": record.ref,
-        "log": record.log,
-        "metrics_json": str(record.path) if record.path is not None else None,
-        "summary": summary.to_dict(),
-        "unstable": stability_warning(steps) if record.ok else None,
+    return Run(
+        arm=record.arm,
+        repeat=record.repeat,
+        status=record.status,
+        exit_code=record.exit_code,
+        failure=record.failure,
+        sha=record.sha,
+        ref=record.ref,
+        log=record.log,
+        metrics_json=str(record.path) if record.path is not None else None,
+        summary=summary,
+        unstable=stability_warning(steps) if record.ok else None,
         # the steady-state rule's words for a run that never settled: a verdict says so
-        "unsettled": summary.settling if record.ok and summary.settled is False else None,
-        "step_times": [[s.step, s.step_time_s] for s in steps],
-    }
+        unsettled=summary.settling if record.ok and summary.settled is False else None,
+        step_times=tuple((s.step, s.step_time_s) for s in steps),
+    )
 
 
-def _arm_entry(runs: list[dict]) -> dict:
-    ok = [r for r in runs if r["status"] == "ok"]
-    entry: dict = {
-        "runs_ok": len(ok),
-        "runs_failed": len(runs) - len(ok),
-        "shas": sorted({r["sha"] for r in runs if r["sha"]}),
-        "refs": sorted({r["ref"] for r in runs if r["ref"]}),
-    }
-    for key in METRICS:
-        values = [r["summary"].get(key) for r in ok if r["summary"].get(key) is not None]
-        entry[key] = (
-            {"median": statistics.median(values), "min": min(values), "max": max(values)}
-            if values
-            else None
-        )
-    return entry
+def _arm_entry(runs: list[Run]) -> ArmFigures:
+    ok = [r for r in runs if r.ok]
+    return ArmFigures(
+        runs_ok=len(ok),
+        runs_failed=len(runs) - len(ok),
+        shas=tuple(sorted({r.sha for r in runs if r.sha})),
+        refs=tuple(sorted({r.ref for r in runs if r.ref})),
+        figures={key: Spread.of([r.summary.value(key) for r in ok
+                                 if r.summary.value(key) is not None])
+                 for key in METRICS},
+    )  # fmt: skip
 
 
 _WORDS = {  # (positive difference, negative difference), feat against base
@@ -206,33 +210,33 @@ _WORDS = {  # (positive difference, negative difference), feat against base
 }
 
 
-def _difference(base: dict, feat: dict, key: str) -> dict | None:
-    if not base.get(key) or not feat.get(key) or not base[key]["median"]:
+def _difference(base: ArmFigures, feat: ArmFigures, key: str) -> Difference | None:
+    b, f = base.figures.get(key), feat.figures.get(key)
+    if not b or not f or not b.median:
         return None
-    b, f = base[key], feat[key]
-    pct = (f["median"] - b["median"]) / b["median"] * 100.0
+    pct = (f.median - b.median) / b.median * 100.0
     more, less = _WORDS[key]
     words = more if pct > 0 else less if pct < 0 else "same"
     within = None  # unknown: one run per arm gives no run-to-run spread
-    if base["runs_ok"] > 1 and feat["runs_ok"] > 1:
-        within = b["min"] <= f["max"] and f["min"] <= b["max"]
-    return {"pct": pct, "words": words, "within_spread": within}
+    if base.runs_ok > 1 and feat.runs_ok > 1:
+        within = b.min <= f.max and f.min <= b.max
+    return Difference(pct, words, within)
 
 
 # ---- the verdict -----------------------------------------------------------------------------
 
 
-def paired_runs(runs: list[dict]) -> list[tuple[dict, dict]]:
-    """(base, feat) run entries of one repeat index, both ok, in repeat order: the pairs."""
+def paired_runs(runs: Sequence[Run]) -> list[tuple[Run, Run]]:
+    """(base, feat) runs of one repeat index, both ok, in repeat order: the pairs."""
     by_repeat: dict = {}
     for run in runs:
-        if run["status"] == "ok":
-            by_repeat.setdefault(int(run["repeat"] or 0), {})[run["arm"]] = run
+        if run.ok:
+            by_repeat.setdefault(int(run.repeat or 0), {})[run.arm] = run
     return [(p["base"], p["feat"]) for _, p in sorted(by_repeat.items()) if len(p) == 2]
 
 
-def _medians(pairs: list[tuple[dict, dict]], key: str) -> tuple[list[float], list[float]]:
-    usable = [(b["summary"].get(key), f["summary"].get(key)) for b, f in pairs]
+def _medians(pairs: list[tuple[Run, Run]], key: str) -> tuple[list[float], list[float]]:
+    usable = [(b.summary.value(key), f.summary.value(key)) for b, f in pairs]
     usable = [(b, f) for b, f in usable if _trusted(b) and _trusted(f)]
     return [b for b, _ in usable], [f for _, f in usable]
 
@@ -266,7 +270,7 @@ def memory_tolerance(records: list[ArmRecord]) -> float:
     return MEMORY_TOLERANCE
 
 
-def verdicts(runs: list[dict], plan: Plan, tolerance: float) -> dict:
+def verdicts(runs: Sequence[Run], plan: Plan, tolerance: float) -> dict[str, Verdict]:
     """The verdict per metric: step time and tokens/s by the plan's interval, peak memory by
     its tolerance. Metrics no pair reported are left out."""
     pairs = paired_runs(runs)
@@ -274,56 +278,66 @@ def verdicts(runs: list[dict], plan: Plan, tolerance: float) -> dict:
     for key in ("step_time_s", "tokens_per_s"):
         base, feat = _medians(pairs, key)
         if base:
-            found[key] = decide(base, feat, plan).to_dict()
+            found[key] = decide(base, feat, plan)
     base, feat = _medians(pairs, "peak_mem_gib")
     if base:
-        found["peak_mem_gib"] = decide_memory(base, feat, tolerance).to_dict()
+        found["peak_mem_gib"] = decide_memory(base, feat, tolerance)
     return found
 
 
-def compare_group(model: str, tag: str, records: list[ArmRecord],
-                  plan: Plan | None = None) -> dict:  # fmt: skip
-    runs = sorted(
-        (_run_entry(r) for r in records),
-        key=lambda r: (_arm_rank(r["arm"]), r["repeat"] or 0),
-    )
-    arms = {}
-    for run in runs:
-        arms.setdefault(run["arm"], []).append(run)
-    group = {
-        "model": model,
-        "tag": tag,
-        "arms": {name: _arm_entry(arm_runs) for name, arm_runs in arms.items()},
-        "runs": runs,
-        "config_differences": config_differences([r for r in records if r.config]),
-        "environment_differences": environment_differences(records),
-        "import_warnings": import_warnings(records),
-        "difference": {},
-    }
-    base, feat = group["arms"].get("base"), group["arms"].get("feat")
-    base_shas, feat_shas = (set(a["shas"]) if a else set() for a in (base, feat))
-    group["aa"] = bool(base_shas) and base_shas == feat_shas and len(base_shas) == 1
-    if group["config_differences"]:
-        group["status"] = "refused"
-    elif not base or not feat or not base["runs_ok"] or not feat["runs_ok"]:
-        group["status"] = "incomplete"
-    else:
-        group["status"] = "compared"
-        group["difference"] = {k: _difference(base, feat, k) for k in METRICS}
-        used = group_plan(records, plan, len(paired_runs(runs)))
-        group["plan"] = {**used.__dict__, "memory_tolerance": memory_tolerance(records)}
-        group["pairs"] = len(paired_runs(runs))
-        group["verdict"] = verdicts(runs, used, group["plan"]["memory_tolerance"])
+def _decided(records: list[ArmRecord], runs: list[Run], arms: dict[str, ArmFigures],
+             plan: Plan | None) -> dict:  # fmt: skip
+    """What a compared group adds: the differences, the plan, the pairs and the verdicts."""
+    pairs = paired_runs(runs)
+    used = group_plan(records, plan, len(pairs))
+    tolerance = memory_tolerance(records)
+    return {
+        "difference": {k: _difference(arms["base"], arms["feat"], k) for k in METRICS},
+        "plan": {**used.__dict__, "memory_tolerance": tolerance},
+        "pairs": len(pairs),
+        "verdict": verdicts(runs, used, tolerance),
         # a run that never settled still counts (its median is all there is), said with the verdict
-        group["unsettled_runs"] = [f"{b['arm']} r{b['repeat']}" for pair in paired_runs(runs)
-                                   for b in pair if b.get("unsettled")]  # fmt: skip
-    section = explain_group(records)  # None unless explain=true or traces exist
-    if section is not None:
-        group["explain"] = section
-    routing = imbalance.routing_section(group, records)  # None under balanced routing
-    if routing is not None:
-        group["routing"] = routing
-    return group
+        "unsettled_runs": tuple(f"{r.arm} r{r.repeat}" for pair in pairs for r in pair
+                                if r.unsettled),
+    }  # fmt: skip
+
+
+def _status(differences: list, arms: dict[str, ArmFigures]) -> str:
+    if differences:
+        return "refused"
+    if any(arm not in arms or not arms[arm].runs_ok for arm in ARMS):
+        return "incomplete"
+    return "compared"
+
+
+def compare_group(model: str, tag: str, records: list[ArmRecord],
+                  plan: Plan | None = None) -> Group:  # fmt: skip
+    """One (model, tag): its runs, each arm over its runs, what differs besides the code and,
+    once both arms have a successful run, the differences and the verdicts."""
+    runs = sorted((_run_entry(r) for r in records),
+                  key=lambda r: (_arm_rank(r.arm), r.repeat or 0))  # fmt: skip
+    by_arm: dict[str, list[Run]] = {}
+    for run in runs:
+        by_arm.setdefault(run.arm, []).append(run)
+    arms = {name: _arm_entry(arm_runs) for name, arm_runs in by_arm.items()}
+    differences = config_differences([r for r in records if r.config])
+    shas = [set(arms[a].shas) if a in arms else set() for a in ARMS]
+    status = _status(differences, arms)
+    decided = _decided(records, runs, arms, plan) if status == "compared" else {"difference": {}}
+    return Group(
+        model=model,
+        tag=tag,
+        arms=arms,
+        runs=tuple(runs),
+        config_differences=tuple(differences),
+        environment_differences=tuple(environment_differences(records)),
+        import_warnings=tuple(import_warnings(records)),
+        aa=bool(shas[0]) and shas[0] == shas[1] and len(shas[0]) == 1,
+        status=status,
+        explain=explain_group(records),  # None unless explain=true or traces exist
+        routing=imbalance.routing_section(runs, arms, records),  # None: balanced routing
+        **decided,
+    )
 
 
 def _arm_rank(arm: str | None) -> int:
@@ -331,38 +345,40 @@ def _arm_rank(arm: str | None) -> int:
 
 
 def compare_records(records: list[ArmRecord], notes: list[str] | None = None,
-                    plan: Plan | None = None, **where) -> dict:  # fmt: skip
-    """The comparison report (schema moe_perf.comparison/2) of arm records, per (model, tag),
-    each decided under `plan` (the sweep's; None: one look at the end)."""
+                    plan: Plan | None = None,
+                    sweep_dir: str | None = None) -> Comparison:  # fmt: skip
+    """The comparison (schema moe_perf.comparison/2) of arm records, per (model, tag), each
+    decided under `plan` (the sweep's; None: one look at the end)."""
     groups: dict = {}
     for record in records:
         groups.setdefault((record.model, record.tag), []).append(record)
     sweep_ids = sorted({str(r.sweep_id) for r in records if r.sweep_id is not None})
-    return {
-        "schema": SCHEMA,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        **where,
-        "sweep_id": sweep_ids[0] if len(sweep_ids) == 1 else (sweep_ids or None),
-        "unstable_spread": UNSTABLE_SPREAD,
-        "notes": list(notes or []),
-        "groups": [compare_group(m, t, rs, plan) for (m, t), rs in sorted(groups.items())],
-    }
+    return Comparison(
+        schema=SCHEMA,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        sweep_dir=sweep_dir,
+        sweep_id=sweep_ids[0] if len(sweep_ids) == 1 else (sweep_ids or None),
+        unstable_spread=UNSTABLE_SPREAD,
+        notes=tuple(notes or ()),
+        groups=tuple(compare_group(m, t, rs, plan) for (m, t), rs in sorted(groups.items())),
+    )
 
 
 # ---- entry points ----------------------------------------------------------------------------
 
 
-def compare_sweep(sweep_dir: Path | str, write: bool = True) -> tuple[dict, str]:
-    """(report, text) for a sweep directory; writes the comparison files there if `write`."""
+def compare_sweep(sweep_dir: Path | str, write: bool = True) -> tuple[Comparison, str]:
+    """(report, text) for a sweep directory; writes the comparison files there if `write`
+    (the report then names them, as comparison.json does)."""
     sweep_dir = Path(sweep_dir).resolve()
     records, notes = load_sweep(sweep_dir)
     saved = load_plan(sweep_dir)
     plan = Plan(**saved["plan"]) if saved else None
     report = compare_records(records, notes, plan, sweep_dir=str(sweep_dir))
     if write:
-        render_explain.write_plot(report, sweep_dir)  # explain.png, named in each group's section
-        imbalance.write_plot(report, sweep_dir)  # step time against imbalance, likewise
-        write_outputs(report, sweep_dir)
+        report = render_explain.write_plot(report, sweep_dir)  # explain.png, in each section
+        report = imbalance.write_plot(report, sweep_dir)  # step time against imbalance, likewise
+        report = write_outputs(report, sweep_dir)
     return report, render(report)
 
 
