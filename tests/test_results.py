@@ -252,3 +252,18 @@ def test_a_bisect_probe_reads_its_sweeps_comparison(name, word, failed):
         assert (probe.estimate, probe.low, probe.high) == (verdict["estimate"], verdict["low"],
                                                            verdict["high"])  # fmt: skip
         assert probe.pairs == 2
+
+
+def test_the_example_of_docs_outputs_md_runs_on_a_real_sweep(tmp_path, monkeypatch, capsys):
+    page = (Path(__file__).resolve().parents[1] / "docs" / "outputs.md").read_text()
+    example = page.split("## Reading results from Python", 1)[1].split("```python", 1)[1]
+    sweep = shutil.copytree(DATA / "ab_repeats", tmp_path / "outputs" / "validate-performance")
+    comparison.compare_sweep(sweep)  # comparison.json naming the records where they are now
+    monkeypatch.chdir(tmp_path)
+    exec(example.split("```", 1)[0], {})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "tiny pp1-dp1-cp1-ep1-seq64-fp32 compared DIFFERENT"
+    assert [line.split(":")[0] for line in lines[1:5]] == [
+        "  base r0 ok", "  base r1 ok", "  feat r0 ok", "  feat r1 ok"]  # fmt: skip
+    sha = json.loads(RECORDS[0].read_text())["sha"]
+    assert lines[5].startswith(f"{sha} ") and lines[5].endswith(" True 2.13.0+cpu")
