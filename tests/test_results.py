@@ -19,7 +19,7 @@ import pytest
 
 from moe_perf.common.contract import METRICS
 from moe_perf.report import comparison
-from moe_perf.report.record import load_record
+from moe_perf.report.record import arm_record, load_record
 from moe_perf.report.results import ArmRecord, RecordError, Step, Summary
 from moe_perf.report.results.comparison import Comparison, ComparisonError
 from moe_perf.runner import bisect, pairs
@@ -267,3 +267,26 @@ def test_the_example_of_docs_outputs_md_runs_on_a_real_sweep(tmp_path, monkeypat
         "  base r0 ok", "  base r1 ok", "  feat r0 ok", "  feat r1 ok"]  # fmt: skip
     sha = json.loads(RECORDS[0].read_text())["sha"]
     assert lines[5].startswith(f"{sha} ") and lines[5].endswith(" True 2.13.0+cpu")
+
+
+def test_the_runner_writes_a_record_in_the_layout_it_always_had(tmp_path):
+    """record.arm_record (what the runner calls when an arm ends) from the inputs of a real arm:
+    the file has the real record's keys in the same order and the same figures."""
+    real = json.loads(RECORDS[0].read_text())
+    head = ("schema", "sweep_id", "model", "tag", "arm", "repeat", "ref", "sha", "status",
+            "exit_code", "failure", "arm_dir", "log", "started", "finished", "wall_time_s",
+            "trainer_wall_s", "steps", "summary", "environment", "config")  # fmt: skip
+    record = arm_record(
+        config=real["config"], sweep_id=real["sweep_id"], arm_dir=tmp_path, sha=real["sha"],
+        exit_code=0, failure=None, steps=[{**s, "max_steps": 6} for s in real["steps"]],
+        trainer_env=real["environment"]["trainer_env"], started=real["started"],
+        wall_time_s=real["wall_time_s"], trainer_wall_s=real["trainer_wall_s"],
+        extra={k: v for k, v in real.items() if k not in head},
+    )  # fmt: skip
+    record.dump(tmp_path / "metrics.json")
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert list(written) == list(real)
+    assert written["steps"] == real["steps"]  # `max_steps` of the contract line not stored
+    assert written["summary"] == real["summary"]
+    assert written["arm_dir"] == str(tmp_path) and written["log"] == str(tmp_path / "console.log")
+    assert written["environment"]["trainer_env"] == real["environment"]["trainer_env"]
