@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from moe_perf.launchers.process import run_trainer  # noqa: E402
 from moe_perf.report.comparison import compare_records, load_sweep  # noqa: E402
+from moe_perf.report.results import ArmRecord  # noqa: E402
 from moe_perf.runner.git import GitError, dirty_files, git, resolve_ref  # noqa: E402
 
 SCHEMA = "moe_perf.bench_harness/1"
@@ -97,7 +98,7 @@ class Sweep:
     sweep_dir: Path
     log: Path
     wall_s: float = 0.0
-    records: list[dict] = field(default_factory=list)
+    records: list[ArmRecord] = field(default_factory=list)
     comparison: dict | None = None
     comparison_source: str | None = None
 
@@ -243,12 +244,13 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(text[-lines:])
 
 
-def read_comparison(sweep_dir: Path, records: list[dict], notes: list[str]) -> tuple[dict, str]:
+def read_comparison(sweep_dir: Path, records: list[ArmRecord],
+                    notes: list[str]) -> tuple[dict, str]:  # fmt: skip
     """comparison.json as the sweep's callback wrote it; else the comparison of its records."""
     path = sweep_dir / "comparison.json"
     if path.is_file():
         return json.loads(path.read_text(encoding="utf-8")), "comparison.json"
-    report = compare_records(records, notes, sweep_dir=str(sweep_dir))
+    report = compare_records(records, notes, sweep_dir=str(sweep_dir)).to_dict()
     return report, "moe_perf.report.comparison of the records (no comparison.json)"
 
 
@@ -295,16 +297,16 @@ def run_sweep(
     records, notes = load_sweep(sweep_dir)
     for note in notes:
         print(f"[bench] {name}: {note}", flush=True)
-    sweep.records = sorted(records, key=lambda r: str(r.get("started")))  # run order
-    arms = {r.get("arm") for r in sweep.records}
+    sweep.records = sorted(records, key=lambda r: str(r.started))  # run order
+    arms = {r.arm for r in sweep.records}
     if not {"base", "feat"} <= arms:
         raise BenchError(
             f"the {name} sweep exited 0 but left records of arms {sorted(map(str, arms))} in "
             f"{sweep_dir}, not base and feat; see {sweep.log}"
         )
-    failed = [r for r in sweep.records if r.get("status") != "ok"]
+    failed = [r for r in sweep.records if not r.ok]
     if failed:
-        why = "; ".join(f"{r['arm']} r{r.get('repeat', 0)}: {r.get('failure')}" for r in failed)
+        why = "; ".join(f"{r.arm} r{r.repeat}: {r.failure}" for r in failed)
         raise BenchError(f"the {name} sweep exited 0 but arms failed: {why}; see {sweep.log}")
     sweep.comparison, sweep.comparison_source = read_comparison(sweep_dir, records, notes)
     return sweep
@@ -313,14 +315,14 @@ def run_sweep(
 # ---- figures -----------------------------------------------------------------------------------
 
 
-def arm_figures(record: dict) -> dict[str, Any]:
-    steps_s = sum(s["step_time_s"] for s in record["steps"] if s.get("step_time_s") is not None)
-    wall, trainer = float(record["wall_time_s"]), float(record["trainer_wall_s"])
+def arm_figures(record: ArmRecord) -> dict[str, Any]:
+    steps_s = sum(s.step_time_s for s in record.steps if s.step_time_s is not None)
+    wall, trainer = float(record.wall_time_s), float(record.trainer_wall_s)
     return {
-        "arm": record["arm"],
-        "repeat": record.get("repeat", 0),
-        "sha": record.get("sha"),
-        "metrics_json": record["_path"],
+        "arm": record.arm,
+        "repeat": record.repeat,
+        "sha": record.sha,
+        "metrics_json": str(record.path),
         "wall_time_s": wall,
         "trainer_wall_s": trainer,
         # worktree, config, launch bookkeeping and the record: the runner's part inside an arm
@@ -328,8 +330,8 @@ def arm_figures(record: dict) -> dict[str, Any]:
         # torchrun, torch import, model build, exit: the trainer's part outside its timed steps
         "trainer_outside_steps_s": round(trainer - steps_s, 3),
         "steps_sum_s": round(steps_s, 4),
-        "median_step_time_s": record["summary"]["step_time_s"],
-        "median_tokens_per_s": record["summary"]["tokens_per_s"],
+        "median_step_time_s": record.summary.step_time_s,
+        "median_tokens_per_s": record.summary.tokens_per_s,
     }
 
 
@@ -385,8 +387,8 @@ def sweep_figures(sweep: Sweep) -> dict[str, Any]:
     }
 
 
-def environment_of(records: list[dict]) -> dict[str, Any]:
-    env = records[0].get("environment") or {}
+def environment_of(records: list[ArmRecord]) -> dict[str, Any]:
+    env = records[0].environment or {}
     return {
         **{key: env.get(key) for key in ENV_KEYS},
         "cpu_count": os.cpu_count(),

@@ -26,6 +26,7 @@ from helpers.repos import commit, git, make_repo
 from moe_perf.launchers.failures import build_error
 from moe_perf.launchers.slurm import build_srun_argv
 from moe_perf.report.imports import import_warnings
+from moe_perf.report.results import ArmRecord
 from moe_perf.report.sweep import Sweep
 from moe_perf.runner import build_cache, build_isolation, verify_imports
 from moe_perf.runner.session import SweepSession, clean_up_dead_sweeps, end_sweep
@@ -387,7 +388,7 @@ def test_the_comparison_says_when_two_commits_loaded_one_file():
     def record(arm, sha, file, digest):
         entry = {"module": "my_ext", "listed_by": "trainer.verify_imports", "file": file,
                  "sha256": digest}  # fmt: skip
-        return {"arm": arm, "sha": sha, "imports": [entry]}
+        return ArmRecord(arm=arm, sha=sha, extra={"imports": [entry]})
 
     shared = "/venv/site-packages/my_ext.so"
     warned = import_warnings([record("base", "a", shared, "h"), record("feat", "b", shared, "h")])

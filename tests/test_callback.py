@@ -14,13 +14,14 @@ import pytest
 from helpers.pictures import png_pixels
 from omegaconf import OmegaConf
 
+from moe_perf.report.results import Comparison
 from moe_perf.runner import callback
 from moe_perf.runner.callback import CompareCallback
 
 APP = textwrap.dedent(
     '''
     """A stand-in for the runner: one arm's console log and metrics.json per job."""
-    import json
+    import dataclasses
     from pathlib import Path
 
     import hydra
@@ -45,13 +46,13 @@ APP = textwrap.dedent(
         log = arm_dir / "console.log"
         log.write_text("\\n".join(lines) + "\\n")
         record = record_from_log(log, cfg.arm, "contract")
-        record.pop("_path")
-        record.update(model=cfg.model, tag=cfg.tag, repeat=cfg.repeat, sha="d" * 40,
-                      ref=cfg.arm, arm_dir=str(arm_dir),
-                      config=OmegaConf.to_container(cfg, resolve=True))
+        record = dataclasses.replace(record, model=cfg.model, tag=cfg.tag, repeat=cfg.repeat,
+                                     sha="d" * 40, ref=cfg.arm, arm_dir=str(arm_dir),
+                                     config=OmegaConf.to_container(cfg, resolve=True))
         if cfg.arm == cfg.fail_arm:
-            record.update(exit_code=1, failure="trainer exited with code 1 (planted)")
-        (arm_dir / "metrics.json").write_text(json.dumps(record))
+            record = dataclasses.replace(record, exit_code=1,
+                                         failure="trainer exited with code 1 (planted)")
+        record.dump(arm_dir / "metrics.json")
 
 
     if __name__ == "__main__":
@@ -144,5 +145,7 @@ def test_callback_constructs_without_arguments(tmp_path, capsys):
 def test_the_files_written_include_the_explain_picture(tmp_path):
     for name in ("comparison.md", "comparison.json", "comparison.png", "explain.png"):
         (tmp_path / name).write_text("")
-    (top,) = callback.written_files({"groups": []}, tmp_path)
+    nothing = Comparison(groups=(), created="2026-01-01T00:00:00+00:00", sweep_id=None,
+                         unstable_spread=0.2)  # fmt: skip
+    (top,) = callback.written_files(nothing, tmp_path)
     assert top.split()[1:] == ["comparison.json", "comparison.md", "comparison.png", "explain.png"]

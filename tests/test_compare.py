@@ -6,6 +6,7 @@ parsed and summarized by moe_perf's own code, then saved as metrics.json in a sw
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,7 +19,9 @@ from helpers.pictures import drawn, png_pixels
 from moe_perf.common.contract import format_step
 from moe_perf.report import cli
 from moe_perf.report import comparison as compare
+from moe_perf.report.record import summarize
 from moe_perf.report.render import figure
+from moe_perf.report.results import Step
 from moe_perf.runner import outputs
 
 TAG = "pp1-dp2-cp1-ep2-seq64-bf16"
@@ -64,9 +67,8 @@ def write_arm(
     name = f"{tag}-{arm}" + (f"-r{repeat}" if repeat is not None else "")
     arm_dir = sweep / model / name
     log = write_log(arm_dir / "console.log", step_times)
-    record = compare.record_from_log(log, arm, "contract")
-    record.pop("_path")
-    record.update(
+    record = dataclasses.replace(
+        compare.record_from_log(log, arm, "contract"),
         model=model,
         tag=tag,
         repeat=repeat or 0,
@@ -76,8 +78,8 @@ def write_arm(
         arm_dir=str(arm_dir),
         config={**(config or CONFIG), "arm": {"name": arm}, "repeat": repeat or 0},
     )
-    record.update(fields)
-    (arm_dir / "metrics.json").write_text(json.dumps(record))
+    record = dataclasses.replace(record, **fields)
+    record.dump(arm_dir / "metrics.json")
     return arm_dir
 
 
@@ -92,7 +94,7 @@ def test_summarize_drops_first_step_medians_and_peak():
         {"step": 3, "step_time_s": 0.7, "tokens_per_s": 80.0, "peak_mem_gib": 3.0, "mfu": None},
         {"step": 4, "step_time_s": 0.6, "tokens_per_s": 90.0, "peak_mem_gib": 1.0, "mfu": None},
     ]
-    summary = compare.summarize(steps)
+    summary = summarize(steps)
     assert summary["steps_measured"] == 3
     assert summary["step_time_s"] == 0.6
     assert summary["tokens_per_s"] == 90.0
@@ -102,7 +104,7 @@ def test_summarize_drops_first_step_medians_and_peak():
 
 def test_stability_warning():
     def steps(times):
-        return [{"step": i, "step_time_s": t} for i, t in enumerate(times, start=1)]
+        return [Step(i, step_time_s=t) for i, t in enumerate(times, start=1)]
 
     assert compare.stability_warning(steps([5.0, 1.0, 1.05, 1.02, 0.98])) is None
     warning = compare.stability_warning(steps([5.0, 1.0, 1.6, 1.0, 1.0]))
@@ -115,23 +117,23 @@ def test_sweep_feat_slower_table_and_files(tmp_path):
     write_arm(tmp_path, "feat", flat([0.44] * 7))
     report, text = compare.compare_sweep(tmp_path)
 
-    (group,) = report["groups"]
-    assert group["status"] == "compared" and not group["aa"]
-    step = group["difference"]["step_time_s"]
-    assert step["pct"] == pytest.approx(10.0) and step["words"] == "slower"
-    assert group["difference"]["tokens_per_s"]["words"] == "slower"
+    (group,) = report.groups
+    assert group.status == "compared" and not group.aa
+    step = group.difference["step_time_s"]
+    assert step.pct == pytest.approx(10.0) and step.words == "slower"
+    assert group.difference["tokens_per_s"].words == "slower"
     assert "| feat vs base |  | +10.00% (slower) | -9.09% (slower) | +0.00% (same)" in text
     # one pair gives no run-to-run spread: no decision, and the reason says so
-    verdict = group["verdict"]["step_time_s"]
-    assert (verdict["word"], verdict["pairs"], group["pairs"]) == ("UNKNOWN", 1, 1)
-    assert verdict["estimate"] == pytest.approx(0.10) and verdict["low"] is None
-    assert "**Step time**: " in text and verdict["reason"] in text
+    verdict = group.verdict["step_time_s"]
+    assert (verdict.word, verdict.pairs, group.pairs) == ("UNKNOWN", 1, 1)
+    assert verdict.estimate == pytest.approx(0.10) and verdict.low is None
+    assert "**Step time**: " in text and verdict.reason in text
     for word in ("PASS", "FAIL", "regression"):
         assert word not in text
 
     saved = json.loads((tmp_path / "comparison.json").read_text())
     assert saved["schema"] == "moe_perf.comparison/2"
-    assert compare.read_comparison(tmp_path / "comparison.json")["groups"][0]["verdict"]
+    assert compare.read_comparison(tmp_path / "comparison.json").groups[0].verdict
     assert saved["groups"][0]["arms"]["base"]["step_time_s"]["median"] == pytest.approx(0.40)
     assert (tmp_path / "comparison.md").read_text() == text
     assert png_pixels(tmp_path / "comparison.png") == (1300, 380)  # one row: one (model, tag)
@@ -153,9 +155,9 @@ def test_latest_sweep_only_and_previous_ignored(tmp_path):
     write_arm(tmp_path, "base", flat([0.5] * 7), sweep_id="new")
 
     records, _ = compare.load_sweep(tmp_path)
-    assert sorted(r["arm"] for r in records) == ["base", "feat"]
-    assert {r["sweep_id"] for r in records} == {"new"}
-    assert all("previous" not in r["_path"] for r in records)
+    assert sorted(r.arm for r in records) == ["base", "feat"]
+    assert {r.sweep_id for r in records} == {"new"}
+    assert all("previous" not in r.path.parts for r in records)
 
 
 def test_config_difference_refuses_with_keys(tmp_path):
@@ -164,9 +166,9 @@ def test_config_difference_refuses_with_keys(tmp_path):
     write_arm(tmp_path, "feat", flat([0.4] * 7), config=other)
     report, text = compare.compare_sweep(tmp_path, write=False)
 
-    (group,) = report["groups"]
-    assert group["status"] == "refused" and group["difference"] == {}
-    assert [d["key"] for d in group["config_differences"]] == ["training.global_batch"]
+    (group,) = report.groups
+    assert group.status == "refused" and group.difference == {}
+    assert [d["key"] for d in group.config_differences] == ["training.global_batch"]
     assert "Comparison refused" in text and "`training.global_batch`" in text
     assert "feat vs base" not in text
     assert not (tmp_path / "comparison.json").exists()  # write=False
@@ -176,14 +178,14 @@ def test_arm_and_repeat_keys_do_not_count_as_differences(tmp_path):
     write_arm(tmp_path, "base", flat([0.4] * 7), repeat=0)
     write_arm(tmp_path, "feat", flat([0.4] * 7), repeat=1)
     report, _ = compare.compare_sweep(tmp_path, write=False)
-    assert report["groups"][0]["status"] == "compared"
+    assert report.groups[0].status == "compared"
 
 
 def test_aa_run_is_said(tmp_path):
     write_arm(tmp_path, "base", flat([0.4] * 7), sha="c" * 40)
     write_arm(tmp_path, "feat", flat([0.4] * 7), sha="c" * 40)
     report, text = compare.compare_sweep(tmp_path, write=False)
-    assert report["groups"][0]["aa"]
+    assert report.groups[0].aa
     assert "A/A run: base and feat are the same commit cccccccccccc" in text
 
 
@@ -194,8 +196,8 @@ def test_failed_arm_shows_reason_and_log(tmp_path):
     )
     report, text = compare.compare_sweep(tmp_path)
 
-    (group,) = report["groups"]
-    assert group["status"] == "incomplete"
+    (group,) = report.groups
+    assert group.status == "incomplete"
     assert "| feat | failed |" in text
     assert f"- feat r0 FAILED: trainer exited 1: OOM; log: {feat / 'console.log'}" in text
     assert "No difference computed: no successful run of feat" in text
@@ -217,17 +219,20 @@ def test_repeats_median_of_medians_and_spread(tmp_path):
         write_arm(tmp_path, "feat", flat(f), repeat=k)
     report, text = compare.compare_sweep(tmp_path, write=False)
 
-    base = report["groups"][0]["arms"]["base"]
-    assert base["runs_ok"] == 3
-    assert all(run["summary"]["settled"] for run in report["groups"][0]["runs"])
-    assert base["step_time_s"]["median"] == pytest.approx(0.31)
-    assert (base["step_time_s"]["min"], base["step_time_s"]["max"]) == pytest.approx((0.3, 0.32))
-    assert report["groups"][0]["difference"]["step_time_s"]["within_spread"] is False
+    (group,) = report.groups
+    base = group.arms["base"]
+    assert base.runs_ok == 3
+    assert all(run.summary.settled for run in group.runs)
+    assert base.figures["step_time_s"].median == pytest.approx(0.31)
+    assert (base.figures["step_time_s"].min, base.figures["step_time_s"].max) == pytest.approx(
+        (0.3, 0.32)
+    )
+    assert group.difference["step_time_s"].within_spread is False
     assert "| base | 3 | 0.3100 [0.3000-0.3200]" in text
     # the pairs' log-ratios (0.336, 0.327, 0.318) sit far from zero: one look, fixed repeats
-    verdict = report["groups"][0]["verdict"]["step_time_s"]
-    assert (verdict["word"], verdict["pairs"]) == ("DIFFERENT", 3)
-    assert verdict["low"] > 0.2 and report["groups"][0]["plan"]["sequential"] is False
+    verdict = group.verdict["step_time_s"]
+    assert (verdict.word, verdict.pairs) == ("DIFFERENT", 3)
+    assert verdict.low > 0.2 and group.plan["sequential"] is False
     assert "Warning: base r2 looks unstable" in text
 
 
@@ -237,9 +242,9 @@ def test_repeats_overlap_said_within_spread(tmp_path):
         write_arm(tmp_path, "feat", flat([f] * 7), repeat=k)
     report, text = compare.compare_sweep(tmp_path, write=False)
     # feat vs base: +2.5%, -4.9%, -2.3%: the interval spans zero and the 1% effect
-    verdict = report["groups"][0]["verdict"]["step_time_s"]
-    assert (verdict["word"], verdict["pairs"]) == ("UNKNOWN", 3)
-    assert verdict["low"] < -0.01 < 0.01 < verdict["high"]
+    verdict = report.groups[0].verdict["step_time_s"]
+    assert (verdict.word, verdict.pairs) == ("UNKNOWN", 3)
+    assert verdict.low < -0.01 < 0.01 < verdict.high
     assert "UNKNOWN" in text
 
 
@@ -249,11 +254,11 @@ def test_two_meshes_give_two_groups(tmp_path):
         write_arm(tmp_path, "base", flat([0.4] * 7), tag=tag, config=config)
         write_arm(tmp_path, "feat", flat([0.4] * 7), tag=tag, config=config)
     report, text = compare.compare_sweep(tmp_path)
-    assert [g["tag"] for g in report["groups"]] == [
+    assert [g.tag for g in report.groups] == [
         "pp1-dp2-cp1-ep2-seq64-bf16",
         "pp2-dp1-cp1-ep2-seq64-bf16",
     ]
-    assert all(g["status"] == "compared" for g in report["groups"])
+    assert all(g.status == "compared" for g in report.groups)
     assert text.count("| feat vs base |") == 2
 
 
@@ -297,11 +302,11 @@ def test_environment_difference_is_noted(tmp_path):
     write_arm(tmp_path, "base", flat([0.4] * 7), environment={"host": "n1", "devices": ["H200"]})
     write_arm(tmp_path, "feat", flat([0.4] * 7), environment={"host": "n1", "devices": ["H100"]})
     report, text = compare.compare_sweep(tmp_path, write=False)
-    (group,) = report["groups"]
-    assert group["status"] == "compared"  # noted, not refused
-    assert group["environment_differences"] == [
-        'environment `devices` differs between arms (base: ["H200"]; feat: ["H100"])'
-    ]
+    (group,) = report.groups
+    assert group.status == "compared"  # noted, not refused
+    assert group.environment_differences == (
+        'environment `devices` differs between arms (base: ["H200"]; feat: ["H100"])',
+    )
     assert "Note: environment `devices` differs between arms" in text
 
 
@@ -313,13 +318,13 @@ def test_runner_state_names_the_current_sweep(tmp_path):
     state.write_text(json.dumps({"sweep_id": "20260202-new"}))
     # The current sweep wrote no record (every arm failed early): show nothing, not old numbers.
     report, text = compare.compare_sweep(tmp_path, write=False)
-    assert report["groups"] == []
+    assert report.groups == ()
     assert "2 record(s) of earlier sweeps ignored; showing sweep 20260202-new" in text
 
     write_arm(tmp_path, "feat", flat([0.5] * 7), sweep_id="20260202-new")
     report, _ = compare.compare_sweep(tmp_path, write=False)
-    (group,) = report["groups"]
-    assert list(group["arms"]) == ["feat"] and group["status"] == "incomplete"
+    (group,) = report.groups
+    assert list(group.arms) == ["feat"] and group.status == "incomplete"
 
 
 def test_cli_two_arm_directories_as_the_sweep_prints_them(tmp_path, capsys):

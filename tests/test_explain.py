@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from moe_perf.common.explain import EXPLAIN_STEPS
 from moe_perf.report import explain, render_explain
+from moe_perf.report.results import ArmRecord
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU_SIZES = dict(dim=128, experts=4, tokens=2048, dtype=torch.float32)
@@ -99,13 +100,14 @@ def profiled_trace(step: Step, steps: int, path: Path) -> Path:
     return path
 
 
-def arm_record(tmp_path: Path, arm: str, step: Step, steps: int = 5, repeat: int = 0) -> dict:
+def arm_record(tmp_path: Path, arm: str, step: Step, steps: int = 5,
+               repeat: int = 0) -> ArmRecord:  # fmt: skip
     """A run's record whose arm dir holds a real explain/ trace, as the trainer leaves it."""
     arm_dir = tmp_path / f"{arm}-r{repeat}"
     profiled_trace(step, steps, arm_dir / "explain" / "trace_rank0.json")
     (arm_dir / "explain" / "steps.json").write_text(json.dumps({"steps": steps}))
-    return {"arm": arm, "arm_dir": str(arm_dir), "status": "ok",
-            "config": {"explain": True, "trainer": {"name": "reference"}}}  # fmt: skip
+    return ArmRecord(arm=arm, arm_dir=str(arm_dir),
+                     config={"explain": True, "trainer": {"name": "reference"}})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +184,7 @@ def test_a_planted_elementwise_pass_is_that_category(tmp_path):
     else:
         pytest.fail(f"three tries, the planted pass never beyond its noise: {row}")
     assert row["delta_ms"] > 0
-    text = "\n".join(render_explain.markdown({"explain": section}))
+    text = "\n".join(render_explain.markdown(section))
     assert "Moved most: norms/elementwise" in text and "not the measured steps" in text
 
 
@@ -201,25 +203,23 @@ def test_an_a_a_pair_moves_no_category_beyond_its_noise(tmp_path):
 
 def test_an_arm_without_traces_says_why(tmp_path):
     base = arm_record(tmp_path, "base", Step(**CPU_SIZES), steps=2)
-    feat = {"arm": "feat", "arm_dir": str(tmp_path / "nothing"), "status": "ok",
-            "config": {"explain": True, "trainer": {"name": "command"}}}  # fmt: skip
+    feat = ArmRecord(arm="feat", arm_dir=str(tmp_path / "nothing"),
+                     config={"explain": True, "trainer": {"name": "command"}})  # fmt: skip
     section = explain.explain_group([base, feat])
     assert "categories" not in section
     assert "cannot switch that trainer's profiler on" in section["missing"]["feat"]
-    assert any(
-        "No breakdown for feat" in line for line in render_explain.markdown({"explain": section})
-    )
+    assert any("No breakdown for feat" in line for line in render_explain.markdown(section))
 
 
-def h200_record(tmp_path: Path, arm: str) -> dict:
+def h200_record(tmp_path: Path, arm: str) -> ArmRecord:
     """A record whose explain/ holds a trace taken on an H200 by the GPU test below (3 steps
     of Step("cuda", **GPU_SIZES); feat with 2 extra grouped GEMMs), kept in tests/data."""
     arm_dir = tmp_path / arm
     (arm_dir / "explain").mkdir(parents=True)
     data = gzip.decompress((ROOT / "tests" / "data" / f"h200_{arm}_trace.json.gz").read_bytes())
     (arm_dir / "explain" / "trace_rank0.json").write_bytes(data)
-    return {"arm": arm, "arm_dir": str(arm_dir), "status": "ok",
-            "config": {"explain": True, "trainer": {"name": "reference"}}}  # fmt: skip
+    return ArmRecord(arm=arm, arm_dir=str(arm_dir),
+                     config={"explain": True, "trainer": {"name": "reference"}})  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -248,7 +248,7 @@ def h200_record(tmp_path: Path, arm: str) -> dict:
 )
 def test_an_h200_trace_attributes_each_kernel(tmp_path, kernel, key):
     """Real H200 kernels, attributed through the CPU op that launched them."""
-    trace = explain.read_trace(Path(h200_record(tmp_path, "base")["arm_dir"]) / "explain" /
+    trace = explain.read_trace(Path(h200_record(tmp_path, "base").arm_dir) / "explain" /
                                "trace_rank0.json")  # fmt: skip
     b = explain.trace_breakdown(trace)
     assert b["device"] == "cuda" and b["steps"] == 3 and b["expert_scope"]
@@ -273,13 +273,13 @@ def test_gpu_kernels_are_attributed_and_a_planted_expert_gemm_found(tmp_path, on
     experts' scope are expert GEMM), NCCL's all-to-all, the GPU's idle time in the step."""
     base = arm_record(tmp_path, "base", Step("cuda", **GPU_SIZES), steps=6)
     feat = arm_record(tmp_path, "feat", Step("cuda", **GPU_SIZES, extra_expert_gemms=2), steps=6)
-    trace = explain.read_trace(Path(base["arm_dir"]) / "explain" / "trace_rank0.json")
+    trace = explain.read_trace(Path(base.arm_dir) / "explain" / "trace_rank0.json")
     b = explain.trace_breakdown(trace)
     assert b["device"] == "cuda" and b["steps"] == 6
     for key in ("dense_gemm", "expert_gemm", "attention", "all_to_all", "optimizer"):
         assert min(b["categories"][key]) > 0, key
     section = explain.explain_group([base, feat])
-    print("\n".join(render_explain.markdown({"explain": section})))
+    print("\n".join(render_explain.markdown(section)))
     rows = {r["category"]: r for r in section["categories"]}
     assert section["moved_most"] == "expert_gemm"
     assert rows["expert_gemm"]["beyond_noise"] and rows["expert_gemm"]["pct"] > 50
@@ -440,7 +440,7 @@ def aa_section(tmp_path_factory, one_rank_group) -> dict:
 
 
 def test_the_table_says_where_the_noise_is_the_floor_and_why(aa_section):
-    table = render_explain.markdown({"explain": aa_section})
+    table = render_explain.markdown(aa_section)
     floor = explain.NOISE_FLOOR_CPU * aa_section["arms"]["base"]["step_ms"]["median"]
     for row in aa_section["categories"]:
         if row["base_ms"] or row["feat_ms"]:
@@ -452,7 +452,7 @@ def test_the_table_says_where_the_noise_is_the_floor_and_why(aa_section):
 
 
 def test_the_table_says_why_the_categories_do_not_add_up_to_the_step(aa_section):
-    table = render_explain.markdown({"explain": aa_section})
+    table = render_explain.markdown(aa_section)
     arms = aa_section["arms"]
     added = {a: sum(c["median"] for c in arms[a]["categories"].values()) for a in arms}
     row = next(x for x in table if x.startswith("| categories added up |"))

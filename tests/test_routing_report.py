@@ -3,6 +3,7 @@ planned against measured, and the picture of step time against imbalance (what i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -46,11 +47,11 @@ def write_arm(sweep: Path, arm: str, repeat: int, tag: str, routing: dict, step_
              for s in range(1, 6)]  # fmt: skip
     (arm_dir / "console.log").write_text("\n".join(lines) + "\n")
     record = compare.record_from_log(arm_dir / "console.log", arm, "contract")
-    record.pop("_path")
     sha = "a" * 40 if arm == "base" else "b" * 40
-    record.update(model="tiny", tag=tag, repeat=repeat, sha=sha, sweep_id="s1",
-                  config={**config(routing), "arm": {"name": arm}, "repeat": repeat})  # fmt: skip
-    (arm_dir / "metrics.json").write_text(json.dumps(record))
+    record = dataclasses.replace(record, model="tiny", tag=tag, repeat=repeat, sha=sha,
+                                 sweep_id="s1", config={**config(routing), "arm": {"name": arm},
+                                                        "repeat": repeat})  # fmt: skip
+    record.dump(arm_dir / "metrics.json")
 
 
 def skew_sweep(sweep: Path) -> None:
@@ -77,9 +78,9 @@ def test_the_summary_holds_the_median_imbalance_only_where_a_trainer_printed_it(
 def test_each_imbalance_is_a_group_with_requested_planned_and_measured(tmp_path):
     skew_sweep(tmp_path)
     report, text = compare.compare_sweep(tmp_path)
-    groups = {g["tag"]: g for g in report["groups"]}
+    groups = {g.tag: g for g in report.groups}
     assert sorted(groups) == [f"{MESH_TAG}-skew{r}" for r in ("1.0", "2.0", "4.0")]
-    section = groups[f"{MESH_TAG}-skew2.0"]["routing"]
+    section = groups[f"{MESH_TAG}-skew2.0"].routing
     assert section["mode"] == "skew" and section["requested"]["imbalance"] == 2.0
     assert section["planned"] == {"expert_imbalance": 2.0, "rank_imbalance": plan(2).rank_imbalance}
     assert section["achieved"]["feat"]["runs"] == 2
@@ -103,12 +104,13 @@ def test_a_run_off_its_plan_is_said_and_real_routing_asks_for_repeats(tmp_path):
     write_arm(tmp_path, "base", 0, MESH_TAG, {"mode": "balanced"}, 0.1, (1.0, 1.0))
     write_arm(tmp_path, "feat", 0, MESH_TAG, {"mode": "balanced"}, 0.1, (1.0, 1.0))
     report, text = compare.compare_sweep(tmp_path, write=False)
-    groups = {g["tag"]: g for g in report["groups"]}
-    assert "routing" not in groups[MESH_TAG]  # balanced: the comparison as it always was
-    assert groups[f"{MESH_TAG}-skew2.0"]["routing"]["matches_plan"] is False
+    groups = {g.tag: g for g in report.groups}
+    assert groups[MESH_TAG].routing is None  # balanced: the comparison as it always was
+    assert "routing" not in groups[MESH_TAG].to_dict()
+    assert groups[f"{MESH_TAG}-skew2.0"].routing["matches_plan"] is False
     assert "| feat, measured | not reported | not reported |" in text
     assert "Warning: a run measured another imbalance than the plan's." in text
-    real = groups[f"{MESH_TAG}-real"]["routing"]
+    real = groups[f"{MESH_TAG}-real"].routing
     assert real["planned"] is None
     assert real["achieved"]["base"]["expert_imbalance"]["median"] == 1.31
     assert "### Routing: real (the router's own top-k, seeded)" in text
@@ -132,9 +134,9 @@ def test_the_picture_draws_step_time_and_tokens_per_s_against_imbalance(tmp_path
         assert sorted(lines) == ["base (median of 2 run(s))", "feat (median of 2 run(s))"]
         for arm in ("base", "feat"):
             line = lines[f"{arm} (median of 2 run(s))"]
-            groups = sorted(report["groups"], key=lambda g: g["tag"])
+            groups = sorted(report.groups, key=lambda g: g.tag)
             assert list(line.get_xdata()) == [1.0, 2.0, 4.0]
-            assert list(line.get_ydata()) == [g["arms"][arm][key]["median"] for g in groups]
+            assert list(line.get_ydata()) == [g.arms[arm].figures[key].median for g in groups]
         spreads = [c.get_label() for c in ax.collections]
         assert spreads == ["base min-max of runs", "feat min-max of runs"]
     step = {line.get_label()[:4]: line.get_ydata() for line in step_ax.get_lines()}

@@ -16,7 +16,9 @@ import pytest
 
 from moe_perf.logs import RunShape, parse_lines, parse_log
 from moe_perf.report import comparison
-from moe_perf.report.record import SCHEMA, load_record, record_problems, summarize
+from moe_perf.report.record import SCHEMA, load_record, summarize
+from moe_perf.report.results import ArmRecord, Step, Summary
+from moe_perf.report.results.checks import record_problems
 from moe_perf.runner.arm import report as report_arm
 from moe_perf.stats.steady import BAND_FLOOR, MIN_STEPS, settle
 
@@ -221,7 +223,7 @@ def test_torchtitan_log_second_step_dropped_and_no_longer_unstable(second):
     assert summary["step_time_s"] == pytest.approx(0.8485, rel=1e-3)
     assert summary["settling"].startswith("step 2 still settling")
     # counted, its 1.24 s made the run "unstable" (a 46% span); dropped, the run is stable
-    assert comparison.stability_warning(parsed.steps) is None
+    assert comparison.stability_warning([Step.from_dict(s) for s in parsed.steps]) is None
 
 
 # Megatron-LM d98e8a6 on an H200 (qwen3-30b-a3b, 2 layers): iterations 1-3 as printed.
@@ -306,15 +308,15 @@ def test_schema_1_record_is_read_with_its_summary_recomputed(tmp_path):
     steps = steps_of([24.0, 1.24, 0.845, 0.851, 0.849, 0.848, 0.852, 0.847])
     path.write_text(json.dumps(old_record(steps)))
     record, note = load_record(path)
-    assert note is None and record["schema"] == "moe_perf.arm/1"
-    assert record["summary"]["steps_settling"] == 1 and record["summary"]["settled"] is True
-    assert record["summary"]["step_time_s"] == pytest.approx(0.8485)
-    assert record["summary_recomputed"] == "from the steps of a moe_perf.arm/1 record"
+    assert note is None and record.schema == "moe_perf.arm/1"
+    assert record.summary.steps_settling == 1 and record.summary.settled is True
+    assert record.summary.step_time_s == pytest.approx(0.8485)
+    assert record.extra["summary_recomputed"] == "from the steps of a moe_perf.arm/1 record"
     # a /1 record without steps (an arm that failed) keeps the summary it was written with
     path.write_text(json.dumps({**old_record([]), "status": "failed", "failure": "OOM"}))
     record, note = load_record(path)
-    assert note is None and record["summary"]["steps_measured"] == -1
-    assert "summary_recomputed" not in record
+    assert note is None and record.summary.steps_measured == -1
+    assert "summary_recomputed" not in record.extra
 
 
 def test_schema_2_is_written_and_a_later_one_is_skipped_with_the_reason(tmp_path):
@@ -338,30 +340,33 @@ def test_comparison_flags_a_run_that_never_settled_in_plain_words():
     trending = steps_of([24.0, 1.30, 1.25, 1.20, 1.15, 1.10, 1.05, 1.00])
     flat = steps_of([24.0] + [1.00] * 7)
     records = [
-        {**old_record(flat), "schema": SCHEMA, "_path": "base.json"},
-        {**old_record(trending), "schema": SCHEMA, "arm": "feat", "sha": "b" * 40,
-         "_path": "feat.json"},
+        ArmRecord.from_dict({**old_record(flat), "schema": SCHEMA}, Path("base.json")),
+        ArmRecord.from_dict({**old_record(trending), "schema": SCHEMA, "arm": "feat",
+                             "sha": "b" * 40}, Path("feat.json")),
     ]  # fmt: skip
     report = comparison.compare_records(records)
-    base, feat = report["groups"][0]["runs"]
-    assert base["unsettled"] is None and base["summary"]["settled"] is True
-    assert feat["unsettled"].startswith("never settled in the first half of the run: steps 2-4")
-    assert feat["summary"]["steps_settling"] == 3
+    base, feat = report.groups[0].runs
+    assert base.unsettled is None and base.summary.settled is True
+    assert feat.unsettled.startswith("never settled in the first half of the run: steps 2-4")
+    assert feat.summary.steps_settling == 3
     text = comparison.render(report)
-    assert f"- Warning: feat r0 {feat['unsettled']}" in text
+    assert f"- Warning: feat r0 {feat.unsettled}" in text
     # the instability warning stays, and says what was dropped
     assert "feat r0 looks unstable" not in text  # 1.00-1.15 s: 15%, within 20%
-    unstable = comparison.stability_warning(steps_of([24.0, 1.5, 1.0, 1.0, 1.3, 1.0, 1.0, 1.0,
-                                                      1.0, 1.0]))  # fmt: skip
+    unstable = comparison.stability_warning([Step.from_dict(s) for s in steps_of(
+        [24.0, 1.5, 1.0, 1.0, 1.3, 1.0, 1.0, 1.0, 1.0, 1.0])])  # fmt: skip
     assert unstable == ("looks unstable: step times span 30% of the median (1-1.3 s, first step "
                         "and 1 settling dropped); its numbers are less reliable")  # fmt: skip
 
 
 def test_the_arms_console_line_counts_settling_steps_and_warns_of_an_unsettled_run(capsys):
-    settling = {"status": "ok", "config": {"trainer": {}}}
-    report_arm({**settling, "summary": summarize(steps_of([24.0, 1.24] + [0.85] * 6))}, "base")
+    def arm(arm: str, steps: list[dict]) -> ArmRecord:
+        summary = Summary.from_dict(summarize(steps))
+        return ArmRecord(arm=arm, summary=summary, config={"trainer": {}})
+
+    report_arm(arm("base", steps_of([24.0, 1.24] + [0.85] * 6)), "base")
     trending = steps_of([24.0, 1.30, 1.25, 1.20, 1.15, 1.10, 1.05, 1.00])
-    report_arm({**settling, "summary": summarize(trending)}, "feat")
+    report_arm(arm("feat", trending), "feat")
     out, err = capsys.readouterr()
     assert "base: ok, median step 0.8500 s" in out
     assert "(6 steps measured, step 1 and 1 settling step dropped)" in out

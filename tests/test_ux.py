@@ -24,8 +24,9 @@ from moe_perf.launchers.process import run_trainer
 from moe_perf.logs import LogReader
 from moe_perf.logs.progress import StepProgress, UnmatchedLines, clock_time
 from moe_perf.report.comparison import compare_records
-from moe_perf.report.record import summarize
+from moe_perf.report.record import SCHEMA, summarize
 from moe_perf.report.render import figure, verdict, write_outputs
+from moe_perf.report.results import ArmRecord, Comparison
 from moe_perf.runner.progress import RankThreads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,49 +199,50 @@ def test_a_sweep_counts_arms_lists_its_files_and_ends_with_a_verdict(ab_repo):
 
 
 def arm_record(arm: str, repeat: int, step_s: float, failed: bool = False, sha: str = "a",
-               tag: str = "pp1-dp1-cp1-ep1-seq64-fp32") -> dict:  # fmt: skip
+               tag: str = "pp1-dp1-cp1-ep1-seq64-fp32") -> ArmRecord:  # fmt: skip
     steps = [{"step": s, "step_time_s": step_s * (3 if s == 1 else 1 + 0.01 * (s % 3)),
               "tokens_per_s": 256 / step_s, "peak_mem_gib": 0.5, "loss": 5.0}
              for s in range(1, 3 if failed else 9)]  # fmt: skip
-    return {"model": "tiny", "tag": tag, "arm": arm, "repeat": repeat, "sha": sha * 40,
-            "ref": arm, "status": "failed" if failed else "ok", "exit_code": 1 if failed else 0,
-            "failure": "trainer exited with code 1" if failed else None, "log": "console.log",
-            "steps": steps, "summary": summarize(steps), "config": {}}  # fmt: skip
+    return ArmRecord.from_dict({
+        "schema": SCHEMA, "model": "tiny", "tag": tag, "arm": arm, "repeat": repeat,
+        "sha": sha * 40, "ref": arm, "status": "failed" if failed else "ok",
+        "exit_code": 1 if failed else 0,
+        "failure": "trainer exited with code 1" if failed else None, "log": "console.log",
+        "steps": steps, "summary": summarize(steps), "config": {}})  # fmt: skip
 
 
-def draw(tmp_path: Path, records: list[dict]) -> tuple[dict, list[DrawnAxes]]:
+def draw(tmp_path: Path, records: list[ArmRecord]) -> tuple[Comparison, list[DrawnAxes]]:
     """The report of `records`, its comparison.png written, and what its figure draws."""
     report = compare_records(records)
-    files = write_outputs(report, tmp_path)
-    (png,) = [f for f in files if f.suffix == ".png"]
-    assert png_pixels(png) == (1300, 380 * len(report["groups"]))  # a row of 3 axes per group
+    png = tmp_path / write_outputs(report, tmp_path).files["plot"]
+    assert png_pixels(png) == (1300, 380 * len(report.groups))  # a row of 3 axes per group
     return report, [drawn(ax) for ax in figure(report).axes]
 
 
-def drawn_steps(record: dict) -> tuple[list[float], list[float]]:
+def drawn_steps(record: ArmRecord) -> tuple[list[float], list[float]]:
     """The line a run should get: its steps from 2 on (step 1 is warm-up) and their times."""
-    steps = record["steps"][1:]
-    return [float(s["step"]) for s in steps], [s["step_time_s"] for s in steps]
+    steps = record.steps[1:]
+    return [float(s.step) for s in steps], [s.step_time_s for s in steps]
 
 
 def test_picture_of_an_ab_run(tmp_path):
     base, feat = arm_record("base", 0, 0.100), arm_record("feat", 0, 0.103, sha="b")
     report, (steps, tokens, memory) = draw(tmp_path, [base, feat])
-    (group,) = report["groups"]
+    (group,) = report.groups
     assert re.fullmatch(r"tiny \S+: step time .*UNKNOWN.*", verdict(group))
-    assert group["verdict"]["step_time_s"]["estimate"] == pytest.approx(0.03)
+    assert group.verdict["step_time_s"].estimate == pytest.approx(0.03)
 
-    assert steps.title.startswith(f"tiny  {group['tag']}\nstep time: step time UNKNOWN: +3.0%")
+    assert steps.title.startswith(f"tiny  {group.tag}\nstep time: step time UNKNOWN: +3.0%")
     assert (steps.xlabel, steps.ylabel) == ("step (step 1 not shown: warm-up)", "step time (s)")
     assert steps.lines["base r0"] == drawn_steps(base)
     assert steps.lines["feat r0"] == drawn_steps(feat)
     for arm in ("base", "feat"):
-        median = group["arms"][arm]["step_time_s"]["median"]
+        median = group.arms[arm].figures["step_time_s"].median
         assert steps.lines[f"{arm} median {median:.4g} s"][1] == [median, median]
     assert steps.legend == list(steps.lines)  # every series named in the legend
     for ax, key in ((tokens, "tokens_per_s"), (memory, "peak_mem_gib")):
         assert ax.xticklabels == ["base", "feat"]
-        assert ax.bars == [group["arms"][arm][key]["median"] for arm in ("base", "feat")]
+        assert ax.bars == [group.arms[arm].figures[key].median for arm in ("base", "feat")]
         assert [ys for _, ys in ax.points] == [[ax.bars[0]], [ax.bars[1]]]  # the one run each
     assert tokens.title == "tokens/s (median of runs)\nfeat -2.91%"
     assert memory.title == "peak memory GiB (max per run)\nfeat +0.00%"
@@ -251,9 +253,9 @@ def test_picture_of_a_repeat_sweep(tmp_path):
                           sha="a" if arm == "base" else "b")
                for r in range(3) for arm in ("base", "feat")]  # fmt: skip
     report, (steps, tokens, _) = draw(tmp_path, records)
-    assert "DIFFERENT" in verdict(report["groups"][0])
+    assert "DIFFERENT" in verdict(report.groups[0])
     for record in records:
-        assert steps.lines[f"{record['arm']} r{record['repeat']}"] == drawn_steps(record)
+        assert steps.lines[f"{record.arm} r{record.repeat}"] == drawn_steps(record)
     assert {"base spread of 3 runs", "feat spread of 3 runs"} <= set(steps.legend)
     assert len(tokens.points) == 6  # every run a dot beside its arm's bar
     assert [xs for xs, _ in tokens.points] == [[0.0]] * 3 + [[1.0]] * 3
@@ -262,7 +264,7 @@ def test_picture_of_a_repeat_sweep(tmp_path):
 def test_picture_of_an_aa_sweep_says_so(tmp_path):
     records = [arm_record(arm, r, 0.1 + 0.001 * r) for r in range(2) for arm in ("base", "feat")]
     report, (steps, _, _) = draw(tmp_path, records)
-    text = verdict(report["groups"][0])
+    text = verdict(report.groups[0])
     assert "SAME" in text and "A/A run" in text
     headline = steps.title.splitlines()[0]
     assert headline.endswith("A/A run: base and feat are one commit, any difference is noise")
@@ -273,7 +275,7 @@ def test_picture_of_a_sweep_with_a_failed_arm(tmp_path):
                arm_record("base", 0, 0.2, tag="pp1-dp2-cp1-ep2-seq64-fp32"),
                arm_record("feat", 0, 0.21, sha="b", tag="pp1-dp2-cp1-ep2-seq64-fp32")]  # fmt: skip
     report, axes = draw(tmp_path, records)
-    failed, ok = report["groups"]
+    failed, ok = report.groups
     assert verdict(failed).endswith("not compared, no successful run of feat (1 of 2 runs failed)")
     assert "step time UNKNOWN: +5.0% (1 pair)" in verdict(ok)
     steps, tokens, memory = axes[:3]  # the first row: the group with the failed arm

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from moe_perf.report import comparison as compare
+from moe_perf.report.record import summarize
 from moe_perf.runner import wandb_log
 
 FAKE_KEY = "local-5f0e7c1d9a8b4c3e2f1a0b9c8d7e6f5a4b3c2d1e"  # looks like a key, is not one
@@ -43,7 +43,7 @@ def arm_record() -> dict:
     return {
         "schema": "moe_perf.arm/1", "model": "tiny", "tag": "pp1-dp1-cp1-ep1-seq64-bf16",
         "arm": "feat", "repeat": 1, "ref": "feature", "sha": "e" * 40, "status": "ok",
-        "steps": steps, "summary": compare.summarize(steps), "environment": {"host": "h"},
+        "steps": steps, "summary": summarize(steps), "environment": {"host": "h"},
         "config": {
             "model": {"name": "tiny"},
             "wandb": {"mode": "offline", "project": "moe_perf", "api_key": FAKE_KEY},

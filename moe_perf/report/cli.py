@@ -13,13 +13,15 @@ python -m moe_perf.compare BASE FEAT --global-batch 32 --seq-length 2048 --world
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from moe_perf.logs import FORMATS, REGEX_TIMING, RunShape, UnknownFormat, line_parser
 from moe_perf.report.comparison import compare_records, compare_sweep, load_arm, load_sweep
-from moe_perf.report.record import strict_json
 from moe_perf.report.render import render, write_outputs
+from moe_perf.report.results.arm import ArmRecord
+from moe_perf.report.results.files import strict_json
 from moe_perf.report.sweep import find_sweep
 
 
@@ -28,12 +30,12 @@ def _short(path: Path) -> str:
     return f"{path.parent.name}/{path.name}" if path.parent.name else path.name
 
 
-def _format_of(record: dict) -> str:
+def _format_of(record: ArmRecord) -> str:
     # records written before the runner read other formats all came from contract lines
-    return record.get("log_format") or "contract"
+    return record.log_format or "contract"
 
 
-def check_same_format(records: list[dict], paths: list[Path]) -> None:
+def check_same_format(records: list[ArmRecord], paths: list[Path]) -> None:
     """Two frameworks' figures mean different things (global or per-device tokens/s, what a
     step is, which memory): refused, in one line."""
     formats = [_format_of(r) for r in records]
@@ -45,27 +47,25 @@ def check_same_format(records: list[dict], paths: list[Path]) -> None:
         )
 
 
-def load_sweep_side(sweep_dir: Path, arm: str) -> list[dict]:
+def load_sweep_side(sweep_dir: Path, arm: str) -> list[ArmRecord]:
     """The records of a sweep directory's current sweep as one side: every run of one arm (a
     single run of `python -m moe_perf`, or its repeats), all compared as `arm`."""
     records, _ = load_sweep(sweep_dir)
     if not records:
         raise ValueError(f"{sweep_dir}: no metrics.json or console.log, and no arm record of "
                          f"a sweep under it")  # fmt: skip
-    arms = sorted({str(r.get("arm")) for r in records})
+    arms = sorted({str(r.arm) for r in records})
     if len(arms) > 1:
-        example = Path(records[0]["_path"]).parent
+        example = Path(records[0].path).parent
         raise ValueError(
             f"{sweep_dir} holds the arms {' and '.join(arms)} of one sweep: give it alone to "
             f"compare them (python -m moe_perf.compare {sweep_dir}), or one arm directory per "
             f"side, e.g. {example}"
         )
-    for record in records:
-        record["arm"] = arm
-    return records
+    return [dataclasses.replace(record, arm=arm) for record in records]
 
 
-def load_side(path: Path, arm: str, fmt: str, shape: RunShape | None) -> list[dict]:
+def load_side(path: Path, arm: str, fmt: str, shape: RunShape | None) -> list[ArmRecord]:
     """One side of BASE FEAT: a console log or metrics.json file; an arm directory (its
     metrics.json, else its console.log); or a sweep directory of runs of one arm."""
     if path.is_dir():
@@ -80,19 +80,20 @@ def compare_paths(base: Path, feat: Path, fmt: str = "auto", out_dir: Path | Non
                   shape: RunShape | None = None) -> tuple[dict, str]:  # fmt: skip
     """(report, text) for two logs, metrics.json files, arm or sweep directories."""
     records = load_side(base, "base", fmt, shape) + load_side(feat, "feat", fmt, shape)
-    check_same_format(records, [Path(r["_path"]) for r in records])
-    keys = {(r.get("model"), r.get("tag")) for r in records}
+    check_same_format(records, [Path(r.path) for r in records])
+    keys = {(r.model, r.tag) for r in records}
     if len(records) == 2 and (len(keys) > 1 or keys == {("-", "-")}):
-        for record in records:  # two files named on purpose: compare them as one group
-            record["model"], record["tag"] = "files", f"{_short(base)} vs {_short(feat)}"
+        # two files named on purpose: compare them as one group
+        records = [dataclasses.replace(r, model="files", tag=f"{_short(base)} vs {_short(feat)}")
+                   for r in records]  # fmt: skip
     notes = []
     for record in records:
-        how = "; ".join(record.get("derivations") or [])
-        notes.append(f"{record['arm']}: {record['_path']} ({_format_of(record)})"
+        how = "; ".join(record.derivations)
+        notes.append(f"{record.arm}: {record.path} ({_format_of(record)})"
                      + (f": {how}" if how else ""))  # fmt: skip
     report = compare_records(records, notes)
     if out_dir is not None:
-        write_outputs(report, out_dir)
+        report = write_outputs(report, out_dir)
     return report, render(report)
 
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a record the checks let through: one line, never a traceback
         print(f"moe_perf.compare: could not compare ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    print(strict_json(report) if args.json else text, end="")
+    print(strict_json(report.to_dict()) if args.json else text, end="")
     return 0
 
 

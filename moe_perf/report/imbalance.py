@@ -18,14 +18,18 @@ render.render (`markdown`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from moe_perf.common.config import ConfigError, config_from_dict, skew_plan_of
 from moe_perf.common.routing import RoutingError, imbalance_text
 from moe_perf.report import figures
 from moe_perf.report.colours import arm_colour
-from moe_perf.report.record import IMBALANCE_METRICS
+from moe_perf.report.results.arm import IMBALANCE_METRICS, ArmRecord
+from moe_perf.report.results.comparison import Comparison, Group, Run
 
 PLOT_NAME = "comparison_imbalance.png"
 # a measured imbalance equals the plan's when within this (relative): the contract line
@@ -37,10 +41,10 @@ _LABELS = {"expert_imbalance": "busiest expert / mean", "rank_imbalance": "busie
 # ---- the section -----------------------------------------------------------------------------
 
 
-def _routing_config(records: list[dict]) -> dict | None:
+def _routing_config(records: list[ArmRecord]) -> dict | None:
     """The group's routing section (the arms' configs are identical but for arm/repeat)."""
     for record in records:
-        routing = (record.get("config") or {}).get("routing")
+        routing = record.section("routing")
         if isinstance(routing, dict):
             return routing
     return None
@@ -62,40 +66,42 @@ def _stat(values: list[float]) -> dict | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def achieved(runs: list[dict], arm: str) -> dict:
+def achieved(runs: Sequence[Run], arm: str) -> dict:
     """An arm's measured imbalances over its successful runs (run medians)."""
-    ok = [r for r in runs if r["arm"] == arm and r["status"] == "ok"]
+    ok = [r for r in runs if r.arm == arm and r.ok]
     entry: dict = {"runs": len(ok)}
     for key in IMBALANCE_METRICS:
-        entry[key] = _stat([r["summary"][key] for r in ok if r["summary"].get(key) is not None])
+        entry[key] = _stat([r.summary.value(key) for r in ok if r.summary.value(key) is not None])
     return entry
 
 
-def _matches(plan: dict | None, runs: list[dict]) -> bool | None:
+def _matches(plan: dict | None, runs: Sequence[Run]) -> bool | None:
     """Whether every successful run measured the planned imbalances; None when unknown."""
-    measured = [r["summary"] for r in runs if r["status"] == "ok"]
-    pairs = [(s.get(k), plan[k]) for s in measured for k in IMBALANCE_METRICS] if plan else []
+    measured = [r.summary for r in runs if r.ok]
+    pairs = [(s.value(k), plan[k]) for s in measured for k in IMBALANCE_METRICS] if plan else []
     pairs = [(got, want) for got, want in pairs if got is not None]
     if not pairs:
         return None
     return all(abs(got - want) <= SAME * want for got, want in pairs)
 
 
-def routing_section(group: dict, records: list[dict]) -> dict | None:
-    """The group's routing section; None under balanced routing (or no routing config)."""
+def routing_section(runs: Sequence[Run], arms: Iterable[str],
+                    records: list[ArmRecord]) -> dict | None:  # fmt: skip
+    """A group's routing section from its runs, its arms and their records; None under balanced
+    routing (or no routing config)."""
     routing = _routing_config(records)
     if routing is None or routing.get("mode", "balanced") == "balanced":
         return None
     mode = routing["mode"]
-    config = next((r["config"] for r in records if r.get("config")), {})
+    config = next((r.config for r in records if r.config), {})
     plan = planned(config) if mode == "skew" else None
     keys = ("imbalance", "shape", "hot_experts", "hot_ranks") if mode == "skew" else ()
     return {
         "mode": mode,
         "requested": {k: routing.get(k) for k in keys},
         "planned": plan,
-        "achieved": {arm: achieved(group["runs"], arm) for arm in group["arms"]},
-        "matches_plan": _matches(plan, group["runs"]),
+        "achieved": {arm: achieved(runs, arm) for arm in arms},
+        "matches_plan": _matches(plan, runs),
     }
 
 
@@ -151,9 +157,8 @@ def _sentences(section: dict) -> list[str]:
     return lines
 
 
-def markdown(group: dict) -> list[str]:
-    """The routing section's Markdown lines for a comparison group ([] if it has none)."""
-    section = group.get("routing")
+def markdown(section: Mapping[str, Any] | None) -> list[str]:
+    """A group's routing section in Markdown lines ([] if it has none)."""
     if not section:
         return []
     lines = ["", _heading(section), ""]
@@ -166,17 +171,17 @@ def markdown(group: dict) -> list[str]:
 # ---- step time against imbalance -------------------------------------------------------------
 
 
-def sweeps(report: dict) -> dict[tuple[str, str], list[dict]]:
+def sweeps(report: Comparison) -> dict[tuple[str, str], list[Group]]:
     """{(model, tag with the imbalance as `*`): its skew groups by requested imbalance} for
     every sweep over routing.imbalance with two or more imbalances measured."""
-    found: dict[tuple[str, str], list[dict]] = {}
-    for group in report["groups"]:
-        section = group.get("routing") or {}
+    found: dict[tuple[str, str], list[Group]] = {}
+    for group in report.groups:
+        section = group.routing or {}
         if section.get("mode") != "skew":
             continue
         r = imbalance_text(float(section["requested"]["imbalance"]))
-        family = group["tag"].replace(f"-skew{r}", "-skew*", 1)
-        found.setdefault((group["model"], family), []).append(group)
+        family = group.tag.replace(f"-skew{r}", "-skew*", 1)
+        found.setdefault((group.model, family), []).append(group)
     return {
         key: sorted(groups, key=_requested)
         for key, groups in found.items()
@@ -184,27 +189,27 @@ def sweeps(report: dict) -> dict[tuple[str, str], list[dict]]:
     }
 
 
-def _requested(group: dict) -> float:
-    return float(group["routing"]["requested"]["imbalance"])
+def _requested(group: Group) -> float:
+    return float(group.routing["requested"]["imbalance"])
 
 
-def _draw(ax, groups: list[dict], key: str, label: str) -> None:
+def _draw(ax, groups: list[Group], key: str, label: str) -> None:
     """Each arm's median (of run medians) against the requested imbalance, its min-max
     spread over runs shaded."""
-    arms = sorted({a for g in groups for a in g["arms"]}, key=lambda a: (a != "base", a))
+    arms = sorted({a for g in groups for a in g.arms}, key=lambda a: (a != "base", a))
     for arm in arms:
-        points = [(_requested(g), g["arms"][arm].get(key), g["arms"][arm]["runs_ok"])
-                  for g in groups if arm in g["arms"]]  # fmt: skip
+        points = [(_requested(g), g.arms[arm].figures.get(key), g.arms[arm].runs_ok)
+                  for g in groups if arm in g.arms]  # fmt: skip
         points = [(x, stat, n) for x, stat, n in points if stat]
         if not points:
             continue
         xs = [x for x, _, _ in points]
         runs = max(n for _, _, n in points)
-        ax.plot(xs, [s["median"] for _, s, _ in points], marker="o", color=arm_colour(arm),
+        ax.plot(xs, [s.median for _, s, _ in points], marker="o", color=arm_colour(arm),
                 label=f"{arm} (median of {runs} run(s))" if runs > 1 else arm)  # fmt: skip
         if runs > 1:
-            ax.fill_between(xs, [s["min"] for _, s, _ in points],
-                            [s["max"] for _, s, _ in points], color=arm_colour(arm),
+            ax.fill_between(xs, [s.min for _, s, _ in points],
+                            [s.max for _, s, _ in points], color=arm_colour(arm),
                             alpha=0.15, label=f"{arm} min-max of runs")  # fmt: skip
     ax.set_xticks(sorted({_requested(g) for g in groups}))
     ax.set_xlabel("routing.imbalance (busiest expert / mean)")
@@ -213,7 +218,7 @@ def _draw(ax, groups: list[dict], key: str, label: str) -> None:
     ax.legend(fontsize=7)
 
 
-def figure(report: dict):
+def figure(report: Comparison):
     """The figure of every sweep over the imbalance (one row each: step time, tokens/s), or
     None when the report has none."""
     found = sweeps(report)
@@ -230,14 +235,14 @@ def figure(report: dict):
     return fig
 
 
-def write_plot(report: dict, out_dir: Path) -> Path | None:
+def write_plot(report: Comparison, out_dir: Path) -> Comparison:
     """comparison_imbalance.png in out_dir when the report holds a sweep over the imbalance;
-    its name goes into the sections of the groups drawn."""
+    the report with its name in the routing sections of the groups drawn."""
     fig = figure(report)
     if fig is None:
-        return None
-    path = figures.save(fig, Path(out_dir) / PLOT_NAME)
-    for groups in sweeps(report).values():
-        for group in groups:
-            group["routing"]["plot"] = PLOT_NAME
-    return path
+        return report
+    figures.save(fig, Path(out_dir) / PLOT_NAME)
+    drawn = {(g.model, g.tag) for groups in sweeps(report).values() for g in groups}
+    return dataclasses.replace(report, groups=tuple(
+        dataclasses.replace(g, routing={**g.routing, "plot": PLOT_NAME})
+        if (g.model, g.tag) in drawn else g for g in report.groups))  # fmt: skip

@@ -12,22 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from moe_perf.report.results.arm import ArmRecord
 
-def _entries(records: Iterable[dict], arm: str) -> dict[str, list[dict]]:
+
+def _entries(records: Iterable[ArmRecord], arm: str) -> dict[str, list[dict]]:
     """{module: its entries over the arm's records}."""
     found: dict[str, list[dict]] = {}
     for record in records:
-        if record.get("arm") == arm:
-            for entry in record.get("imports") or []:
+        if record.arm == arm:
+            for entry in record.imports:
                 found.setdefault(entry["module"], []).append(entry)
     return found
 
 
-def _commits(records: Iterable[dict], arm: str) -> set[str]:
-    return {r["sha"] for r in records if r.get("arm") == arm and r.get("sha")}
+def _commits(records: Iterable[ArmRecord], arm: str) -> set[str]:
+    return {r.sha for r in records if r.arm == arm and r.sha}
 
 
-def import_warnings(records: list[dict]) -> list[str]:
+def import_warnings(records: list[ArmRecord]) -> list[str]:
     """One sentence per module that base and feat, different commits, loaded from the same
     file, or (a listed module) from files of the same content."""
     base_commits, feat_commits = _commits(records, "base"), _commits(records, "feat")

@@ -4,11 +4,15 @@ here computes one."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from moe_perf.report import figures
 from moe_perf.report.explain.categories import EXPERT_SCOPE
 from moe_perf.report.explain.noise import noise_floor
+from moe_perf.report.results.comparison import Comparison, Difference, Group
 
 
 def _ms(value: float | None, sign: bool = False) -> str:
@@ -21,9 +25,9 @@ def _gib(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def markdown(group: dict) -> list[str]:
-    """The explain section's Markdown lines for a comparison group ([] if it has none)."""
-    section = group.get("explain")
+def markdown(section: Mapping[str, Any] | None, step_time: Difference | None = None) -> list[str]:
+    """A group's explain section in Markdown lines ([] if it has none); `step_time`: the
+    group's measured step-time difference, shown beside the memory."""
     if not section:
         return []
     lines = ["", "### Where the time goes (explain)", ""]
@@ -51,7 +55,7 @@ def markdown(group: dict) -> list[str]:
             lines.append(f"| `{name}` | {_ms(c['base_ms'])} | {_ms(c['feat_ms'])} | "
                          f"{_ms(c['delta_ms'], True)} |")  # fmt: skip
         lines.append("")
-    lines += _memory_lines(section, group)
+    lines += _memory_lines(section, step_time)
     return lines
 
 
@@ -155,12 +159,11 @@ def _overhead_lines(arms: dict) -> list[str]:
             ""]  # fmt: skip
 
 
-def _memory_lines(section: dict, group: dict) -> list[str]:
+def _memory_lines(section: Mapping[str, Any], step_time: Difference | None) -> list[str]:
     memory = section["memory"]
     if not memory:
         return []
-    step = (group.get("difference") or {}).get("step_time_s")
-    change = f"{step['pct']:+.2f}%" if step else "-"
+    change = f"{step_time.pct:+.2f}%" if step_time else "-"
     lines = ["| arm | peak allocated GiB | peak reserved GiB | peak as reported GiB | "
              "step time change |", "|---|---:|---:|---:|---:|"]  # fmt: skip
     for arm, m in memory.items():
@@ -175,16 +178,20 @@ def _memory_lines(section: dict, group: dict) -> list[str]:
     return lines + [""]
 
 
-def plot(report: dict, path: Path) -> Path | None:
+def _broken_down(group: Group) -> bool:
+    return bool((group.explain or {}).get("categories"))
+
+
+def plot(report: Comparison, path: Path) -> Path | None:
     """A bar chart of the category deltas (feat - base, ms/step), one panel per group."""
-    groups = [g for g in report["groups"] if (g.get("explain") or {}).get("categories")]
+    groups = [g for g in report.groups if _broken_down(g)]
     if not groups:
         return None
     fig, axes = figures.pyplot().subplots(
         len(groups), 1, figsize=(8, 3.6 * len(groups)), squeeze=False
     )
     for ax, group in zip(axes[:, 0], groups, strict=True):
-        rows = [r for r in group["explain"]["categories"] if r["base_ms"] or r["feat_ms"]]
+        rows = [r for r in group.explain["categories"] if r["base_ms"] or r["feat_ms"]]
         labels = [r["label"] for r in rows]
         deltas = [r["delta_ms"] for r in rows]
         noise = [r["noise_ms"] or 0.0 for r in rows]
@@ -193,17 +200,18 @@ def plot(report: dict, path: Path) -> Path | None:
         ax.axvline(0, color="black", linewidth=0.8)
         ax.invert_yaxis()
         ax.set_xlabel("feat - base, ms per profiled step (error bar: noise)")
-        ax.set_title(f"{group['model']}  {group['tag']}  (profiled steps, not measured ones)",
+        ax.set_title(f"{group.model}  {group.tag}  (profiled steps, not measured ones)",
                      fontsize=9)  # fmt: skip
         ax.grid(axis="x", alpha=0.3)
     fig.tight_layout()
     return figures.save(fig, path)
 
 
-def write_plot(report: dict, out_dir: Path) -> Path | None:
-    """explain.png in out_dir when a group has a breakdown; its name goes into those sections."""
+def write_plot(report: Comparison, out_dir: Path) -> Comparison:
+    """explain.png in out_dir when a group has a breakdown; the report with its name in those
+    sections."""
     path = plot(report, Path(out_dir) / "explain.png")
-    for group in report["groups"]:
-        if (group.get("explain") or {}).get("categories"):
-            group["explain"]["plot"] = path.name if path else None
-    return path
+    named = {"plot": path.name if path else None}
+    return dataclasses.replace(report, groups=tuple(
+        dataclasses.replace(g, explain={**g.explain, **named}) if _broken_down(g) else g
+        for g in report.groups))  # fmt: skip

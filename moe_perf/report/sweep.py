@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
-from moe_perf.report.record import write_record
+from moe_perf.report.results.files import write_json
 
 STATE_DIR = ".moe_perf"
 # earlier sweeps, each a sweep directory of its own: <sweep dir>/previous/<sweep_id>/
@@ -50,7 +50,7 @@ def state_path(sweep_dir: Path) -> Path:
 def save(sweep: Sweep) -> None:
     path = state_path(Path(sweep.sweep_dir))
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_record(path, asdict(sweep))
+    write_json(path, asdict(sweep))
 
 
 def _read(sweep_dir: Path) -> dict | None:
@@ -100,7 +100,7 @@ def save_plan(sweep_dir: Path, data: dict) -> None:
     comparison at the end computes the verdict exactly as the sweep did while it ran."""
     path = Path(sweep_dir) / STATE_DIR / PLAN_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_record(path, data)
+    write_json(path, data)
 
 
 def load_plan(sweep_dir: Path) -> dict | None:

@@ -20,6 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.common.errors import ARM_FAILED
+from moe_perf.report.results.arm import ArmRecord
 from moe_perf.runner import bisect, presets
 from moe_perf.runner.arm import run_arm
 from moe_perf.runner.hydra_jobs import current_job
@@ -58,11 +59,11 @@ def config_dir() -> str:
     return "pkg://moe_perf.conf"
 
 
-def one_arm_note(record: dict, overrides: list[str]) -> str:
+def one_arm_note(record: ArmRecord, overrides: list[str]) -> str:
     """A run without -m measures one arm: say so, and give the command that compares."""
     kept = [o for o in overrides if not o.lstrip("+~").startswith(("arm=", "repeat="))]
     command = " ".join(["python -m moe_perf", *kept, "-m", "arm=base,feat"])
-    return (f"measured one arm ({record['arm']}) and compared nothing; to compare base and feat "
+    return (f"measured one arm ({record.arm}) and compared nothing; to compare base and feat "
             f"run the sweep: {command}")  # fmt: skip
 
 
@@ -73,7 +74,7 @@ def hydra_main(cfg: DictConfig) -> None:
     if job.multirun or bool(cfg.get("dry_run", False)):
         return  # a multirun's exit code is set once the comparison is written (callback.py)
     say(one_arm_note(record, job.overrides))
-    if record["status"] != "ok":
+    if not record.ok:
         sys.exit(ARM_FAILED)
 
 

@@ -28,6 +28,7 @@ from moe_perf.launchers.process import LaunchResult, run_trainer, trainer_env
 from moe_perf.logs import RunShape
 from moe_perf.logs.progress import shown
 from moe_perf.report import record as records
+from moe_perf.report.results.arm import ArmRecord, Summary
 from moe_perf.report.sweep import Sweep
 from moe_perf.runner import (
     build,
@@ -162,7 +163,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, l
 
 
 def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, started: str,
-               t0: float, extra: dict) -> dict:  # fmt: skip
+               t0: float, extra: dict) -> ArmRecord:  # fmt: skip
     arm = config["arm"]["name"]
     startup = compile_cache.read_startup(job.arm_dir)  # rank 0's timeline and cache counters
     if startup is not None:
@@ -194,40 +195,42 @@ def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, start
             "derivations": result.derivations,
         },
     )
-    records.write_record(job.arm_dir / "metrics.json", record)
+    record.dump(job.arm_dir / "metrics.json")
     return record
 
 
-def report(record: dict, label: str) -> None:
-    if record["status"] == "ok":
-        s = record["summary"]
-        say(f"{label}: ok, median step {shown(s['step_time_s'], '.4f')} s, "
-            f"{shown(s['tokens_per_s'], ',.0f')} tokens/s, peak "
-            f"{shown(s['peak_mem_gib'], '.2f')} GiB ({s['steps_measured']} steps measured, "
+def report(record: ArmRecord, label: str) -> None:
+    if record.ok:
+        s = record.summary
+        say(f"{label}: ok, median step {shown(s.step_time_s, '.4f')} s, "
+            f"{shown(s.tokens_per_s, ',.0f')} tokens/s, peak "
+            f"{shown(s.peak_mem_gib, '.2f')} GiB ({s.steps_measured} steps measured, "
             f"step 1{_settling_words(s)} dropped)")  # fmt: skip
-        if not s["settled"]:
-            say(f"{label}: warning: {s['settling']}", sys.stderr)
-        if record.get("compile_cache") and record["config"]["trainer"].get("compile"):
-            say(f"{label}: {compile_cache.describe(record['compile_cache'])}")
+        if not s.settled:
+            say(f"{label}: warning: {s.settling}", sys.stderr)
+        compiled = record.extra.get("compile_cache")
+        if compiled and record.section("trainer", "compile"):
+            say(f"{label}: {compile_cache.describe(compiled)}")
     else:
-        say(f"{label}: FAILED: {record['failure']} (log: {record['log']})", sys.stderr)
+        say(f"{label}: FAILED: {record.failure} (log: {record.log})", sys.stderr)
 
 
-def _settling_words(summary: dict) -> str:
-    settling = summary["steps_settling"]
+def _settling_words(summary: Summary) -> str:
+    settling = summary.steps_settling
     return f" and {settling} settling step{'s' if settling > 1 else ''}" if settling else ""
 
 
-def log_to_wandb(record: dict, arm_dir: Path, cfg: DictConfig) -> None:
+def log_to_wandb(record: ArmRecord, arm_dir: Path, cfg: DictConfig) -> None:
     # after the trainer exited and the record is on disk: never inside the timed region
     if str(cfg.wandb.mode) == "disabled":
         return
     from moe_perf.runner.wandb_log import log_arm  # wandb is imported only when it is used
 
-    log_arm(record, arm_dir, OmegaConf.to_container(cfg.wandb, resolve=True))
+    log_arm(record.to_dict(), arm_dir, OmegaConf.to_container(cfg.wandb, resolve=True))
 
 
-def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession) -> dict:
+def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep,
+                    session: SweepSession) -> ArmRecord:  # fmt: skip
     label = f"{cfg.arm.name}{repeat_suffix(cfg.repeat, job.overrides)}"
     config = arm_config(cfg, sweep)
     moved = outputs.move_aside(job.arm_dir, job.sweep_dir)
@@ -257,7 +260,8 @@ def run_checked_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSessi
     return record
 
 
-def run_arm(cfg: Any, job: Job | None = None, session: SweepSession | None = None) -> dict:
+def run_arm(cfg: Any, job: Job | None = None,
+            session: SweepSession | None = None) -> ArmRecord | dict:  # fmt: skip
     """Runs one arm (one Hydra job) and returns its record (also written to metrics.json).
 
     Raises SystemExit(2) with a printed message when a prerequisite fails (nothing launched,

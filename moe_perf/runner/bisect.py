@@ -27,6 +27,7 @@ from datetime import datetime
 from pathlib import Path
 
 from moe_perf.common.errors import REFUSED, PrerequisiteError
+from moe_perf.report.results.comparison import Comparison, ComparisonError
 from moe_perf.runner import git, outputs, preflight
 from moe_perf.runner.job import say
 
@@ -143,21 +144,21 @@ def next_probe(low: int, high: int, skipped: set[int]) -> int | None:
 def read_verdict(probe: Probe, sweep_dir: Path, exit_code: int) -> None:
     """Fills `probe` from its sweep's comparison.json (the step-time verdict)."""
     try:
-        report = json.loads((sweep_dir / "comparison.json").read_text())
-    except (OSError, ValueError):
+        report = Comparison.load(sweep_dir / "comparison.json")
+    except ComparisonError:
         probe.failed = f"the sweep wrote no comparison (exit code {exit_code})"
         return
-    groups = report.get("groups") or []
-    failed = [r for g in groups for r in g.get("runs", []) if r.get("status") != "ok"]
+    failed = report.failed_runs
     if failed:
-        probe.failed = f"{failed[0]['arm']} failed: {failed[0].get('failure')}"
+        probe.failed = f"{failed[0].arm} failed: {failed[0].failure}"
         return
-    found = (groups[0].get("verdict") or {}).get("step_time_s") if len(groups) == 1 else None
+    groups = report.groups
+    found = (groups[0].verdict or {}).get("step_time_s") if len(groups) == 1 else None
     if not found:
         probe.failed = f"no step-time verdict in {sweep_dir / 'comparison.json'}"
         return
-    probe.word, probe.pairs = found["word"], int(found["pairs"])
-    probe.estimate, probe.low, probe.high = found["estimate"], found["low"], found["high"]
+    probe.word, probe.pairs = found.word, int(found.pairs)
+    probe.estimate, probe.low, probe.high = found.estimate, found.low, found.high
 
 
 def subject(repo: Path, sha: str) -> str:

@@ -35,7 +35,8 @@ from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.command import arm_values, fill, fill_env
 from moe_perf.launchers.failures import build_error
 from moe_perf.launchers.process import run_logged, trainer_env
-from moe_perf.report.record import now_iso, write_record
+from moe_perf.report.record import now_iso
+from moe_perf.report.results.files import write_json
 from moe_perf.report.sweep import STATE_DIR, Sweep
 from moe_perf.runner import build_cache, build_isolation
 from moe_perf.runner.job import Job, say
@@ -120,7 +121,7 @@ def read_state(sweep: Sweep) -> dict:
 
 def save_state(sweep: Sweep, state: dict) -> None:
     _state_path(sweep).parent.mkdir(parents=True, exist_ok=True)
-    write_record(_state_path(sweep), state)
+    write_json(_state_path(sweep), state)
 
 
 # ---- one arm ---------------------------------------------------------------------------------

@@ -24,11 +24,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.common.errors import ARM_FAILED
+from moe_perf.report.results.comparison import Comparison
 from moe_perf.runner.hydra_jobs import sweep_dir_of
 from moe_perf.runner.session import end_sweep
 
 
-def written_files(report: dict, sweep_dir: Path) -> list[str]:
+def written_files(report: Comparison, sweep_dir: Path) -> list[str]:
     """What the sweep left in its directory, one line per place: the comparison, the sweep's
     state, and each arm's directory with its entries (`torchrun/`, `wandb/` are folders)."""
     top = sorted(p.name for p in [*sweep_dir.glob("comparison*"), *sweep_dir.glob("explain.png")])
@@ -36,9 +37,9 @@ def written_files(report: dict, sweep_dir: Path) -> list[str]:
     state = sweep_dir / ".moe_perf"  # the sweep's refs -> SHAs, the arms' identity records
     top += sorted(f".moe_perf/{e.name}" + ("/" if e.is_dir() else "") for e in state.glob("*"))
     lines = [f"  {sweep_dir}/  {' '.join(top)}"]
-    for group in report["groups"]:
-        for run in group["runs"]:
-            arm_dir = Path(run["metrics_json"]).parent if run.get("metrics_json") else None
+    for group in report.groups:
+        for run in group.runs:
+            arm_dir = Path(run.metrics_json).parent if run.metrics_json else None
             if arm_dir is None or not arm_dir.is_dir():
                 continue
             entries = sorted(e.name + ("/" if e.is_dir() else "") for e in arm_dir.iterdir())
@@ -72,9 +73,9 @@ class CompareCallback(Callback):
                 print("[moe_perf] files written:", flush=True)
                 print("\n".join(written_files(report, sweep_dir)), flush=True)
             self.log_verdicts(report, config, sweep_dir)
-            for group in report["groups"]:  # the sweep's last lines: one verdict per (model, tag)
+            for group in report.groups:  # the sweep's last lines: one verdict per (model, tag)
                 print(f"[moe_perf] {verdict(group)}", flush=True)
-            failed = [r for g in report["groups"] for r in g["runs"] if r["status"] != "ok"]
+            failed = report.failed_runs
         except Exception as exc:  # a callback must never fail the sweep: say why, plainly
             where = sweep_dir if sweep_dir is not None else "<sweep dir>"
             print(
@@ -89,14 +90,14 @@ class CompareCallback(Callback):
                   file=sys.stderr, flush=True)  # fmt: skip
             raise SystemExit(ARM_FAILED)
 
-    def log_verdicts(self, report: dict, config: DictConfig, sweep_dir: Path) -> None:
+    def log_verdicts(self, report: Comparison, config: DictConfig, sweep_dir: Path) -> None:
         wandb_cfg = OmegaConf.select(config, "wandb")
         if not self.write or str(OmegaConf.select(config, "wandb.mode")) == "disabled":
             return
         from moe_perf.runner.wandb_log import log_verdict  # wandb only where it is used
 
-        for group in report["groups"]:
-            log_verdict(group, sweep_dir / ".moe_perf", wandb_cfg)
+        for group in report.groups:  # logged as comparison.json holds it
+            log_verdict(group.to_dict(), sweep_dir / ".moe_perf", wandb_cfg)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         """Nothing: each arm writes its own record; comparing waits for the sweep's end."""

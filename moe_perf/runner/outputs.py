@@ -19,6 +19,7 @@ from pathlib import Path
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.report import record as records
+from moe_perf.report.results.files import read_json, write_json
 from moe_perf.report.sweep import PREVIOUS, STATE_DIR, Sweep, current_sweep_id
 from moe_perf.runner import git
 
@@ -116,7 +117,7 @@ class DryRunGuard:
 
 def _record_sweep_id(arm_dir: Path) -> str | None:
     try:
-        sweep_id = records.read_record(arm_dir / "metrics.json").get("sweep_id")
+        sweep_id = read_json(arm_dir / "metrics.json").get("sweep_id")
     except (OSError, ValueError, AttributeError):
         return None
     return str(sweep_id) if sweep_id else None
@@ -202,7 +203,7 @@ def check_identity(sweep: Sweep, model: str, tag: str, arm_label: str, config: d
     """
     path = Path(sweep.sweep_dir) / STATE_DIR / "identity" / model / f"{tag}.json"
     if path.exists():
-        first = records.read_record(path)
+        first = read_json(path)
         if first.get("sweep_id") == sweep.sweep_id:
             keys = differing_keys(first["config"], config)
             if not keys:
@@ -212,5 +213,5 @@ def check_identity(sweep: Sweep, model: str, tag: str, arm_label: str, config: d
                 f"{'; '.join(keys)}: only arm and repeat may differ between arms"
             )
     path.parent.mkdir(parents=True, exist_ok=True)
-    records.write_record(path, {"sweep_id": sweep.sweep_id, "arm": arm_label, "config": config})
+    write_json(path, {"sweep_id": sweep.sweep_id, "arm": arm_label, "config": config})
     return None

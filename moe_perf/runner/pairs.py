@@ -21,7 +21,6 @@ the Hydra sweeper (hydra_plugins/moe_perf_sweeper) launches what it plans.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,6 +30,7 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from moe_perf.report import sweep as sweeps
+from moe_perf.report.results.arm import ArmRecord, RecordError, Summary
 from moe_perf.stats.verdict import Plan, Verdict, decide, describe, keep_adding
 
 ARMS = ("base", "feat")
@@ -141,38 +141,40 @@ class Cell:
     """One cell of a running sweep: its pairs so far and its verdict."""
 
     overrides: tuple[str, ...]
-    pairs: list[dict] = field(default_factory=list)  # {"base": summary, "feat": summary}
+    pairs: list[dict[str, Summary]] = field(default_factory=list)  # arm -> its run's summary
     failed: str | None = None  # an arm of this cell failed: why (no more pairs are added)
     verdict: Verdict | None = None
     label: str = ""  # "<model> <tag>", from the first record read
 
     def medians(self, metric: str) -> tuple[list[float], list[float]]:
         complete = [p for p in self.pairs if _usable(p, metric)]
-        return [p["base"][metric] for p in complete], [p["feat"][metric] for p in complete]
+        return ([p["base"].value(metric) for p in complete],
+                [p["feat"].value(metric) for p in complete])  # fmt: skip
 
 
-def _usable(pair: dict, metric: str) -> bool:
-    values = [pair.get(arm, {}).get(metric) for arm in ARMS]
+def _usable(pair: dict[str, Summary], metric: str) -> bool:
+    values = [pair[arm].value(metric) if arm in pair else None for arm in ARMS]
     return all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
 
 
-def read_record(arm_dir: Path) -> dict | None:
+def read_record(arm_dir: Path) -> ArmRecord | None:
+    """The arm's metrics.json; None where it left none, or none this code reads."""
     try:
-        return json.loads((Path(arm_dir) / "metrics.json").read_text())
-    except (OSError, ValueError):
+        return ArmRecord.load(Path(arm_dir) / "metrics.json")
+    except RecordError:
         return None
 
 
-def add_pair(cell: Cell, records: dict[str, dict | None], plan: Plan) -> Verdict | None:
+def add_pair(cell: Cell, records: dict[str, ArmRecord | None], plan: Plan) -> Verdict | None:
     """Adds one pair's records (arm -> record, None when the arm left none) and decides."""
     summaries = {}
     for arm, record in records.items():
-        if record is None or record.get("status") != "ok":
-            why = (record or {}).get("failure") or "no record written"
+        if record is None or not record.ok:
+            why = (record.failure if record else None) or "no record written"
             cell.failed = f"{arm} failed: {why}"
         else:
-            summaries[arm] = record.get("summary") or {}
-            cell.label = cell.label or f"{record.get('model')} {record.get('tag')}"
+            summaries[arm] = record.summary
+            cell.label = cell.label or f"{record.model} {record.tag}"
     cell.pairs.append(summaries)
     base, feat = cell.medians(DECIDING_METRIC)
     cell.verdict = decide(base, feat, plan) if base else None  # none while no pair is whole

@@ -31,7 +31,8 @@ from omegaconf import DictConfig, OmegaConf
 from moe_perf.common.errors import REFUSED, PrerequisiteError
 from moe_perf.launchers import orphans
 from moe_perf.report import sweep as sweeps
-from moe_perf.report.record import now_iso, write_record
+from moe_perf.report.record import now_iso
+from moe_perf.report.results.files import write_json
 from moe_perf.runner import git, outputs, preflight
 from moe_perf.runner.hydra_jobs import check_all_jobs, sweep_dir_of
 from moe_perf.runner.job import Job, say
@@ -128,7 +129,7 @@ def _write_worktrees(sweep_dir: Path, repo: str, worktrees: dict[str, Path]) -> 
     path = _worktrees_path(sweep_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"repo": repo, "worktrees": {sha: str(p) for sha, p in worktrees.items()}}
-    write_record(path, state)
+    write_json(path, state)
 
 
 def end_sweep(sweep_dir: Path) -> None:

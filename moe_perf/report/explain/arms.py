@@ -10,6 +10,7 @@ from pathlib import Path
 from moe_perf.logs.megatron import allocated_and_reserved_gib
 from moe_perf.report.explain.categories import CATEGORIES
 from moe_perf.report.explain.traces import read_trace, trace_breakdown
+from moe_perf.report.results.arm import ArmRecord
 
 # Where each trainer's profiler leaves its traces, under <arm dir>/explain: the reference
 # trainer's trace_rank<r>.json; torchtitan's iteration_<N>/rank<r>_trace.json; Megatron's
@@ -27,14 +28,14 @@ def _mean_over_ranks(per_rank: list[list[float]]) -> list[float]:
     return [statistics.fmean(v[i] for v in per_rank) for i in range(n)]
 
 
-def memory_of(record: dict, steps_info: dict) -> dict:
+def memory_of(record: ArmRecord, steps_info: dict) -> dict:
     """Peak memory of an arm, GiB: allocated and reserved where the trainer reports both."""
     alloc = steps_info.get("peak_mem_allocated_gib")
     reserved = steps_info.get("peak_mem_reserved_gib")
-    log = record.get("log")
-    if (alloc is None or reserved is None) and record.get("log_format") == "megatron" and log:
+    log = record.log
+    if (alloc is None or reserved is None) and record.log_format == "megatron" and log:
         alloc, reserved = _megatron_memory(Path(log))
-    reported = (record.get("summary") or {}).get("peak_mem_gib")
+    reported = record.summary.peak_mem_gib
     return {"allocated_gib": alloc, "reserved_gib": reserved, "reported_gib": reported}
 
 
@@ -49,9 +50,9 @@ def _megatron_memory(log: Path) -> tuple[float | None, float | None]:
     return max(a for a, _ in found), max(r for _, r in found)
 
 
-def arm_breakdown(record: dict) -> dict:
+def arm_breakdown(record: ArmRecord) -> dict:
     """The breakdown of one run (its record's arm dir), or {"missing": why}."""
-    arm_dir = Path(record.get("arm_dir") or ".")
+    arm_dir = Path(record.arm_dir or ".")
     steps_file = arm_dir / "explain" / "steps.json"
     steps_info = json.loads(steps_file.read_text()) if steps_file.is_file() else {}
     memory = memory_of(record, steps_info)
@@ -79,7 +80,7 @@ def arm_breakdown(record: dict) -> dict:
         },  # fmt: skip
         "names": {n: _mean_over_ranks([r["names"].get(n, zeros) for r in ranks]) for n in names},
         "memory": memory,
-        "measured_step_s": (record.get("summary") or {}).get("step_time_s"),
+        "measured_step_s": record.summary.step_time_s,
     }
 
 
@@ -97,9 +98,9 @@ def _drop_first_step(rank: dict) -> dict:
     }
 
 
-def _why_missing(record: dict, arm_dir: Path) -> str:
-    trainer = ((record.get("config") or {}).get("trainer") or {}).get("name", "?")
-    if record.get("status") != "ok":
+def _why_missing(record: ArmRecord, arm_dir: Path) -> str:
+    trainer = record.section("trainer", "name") or "?"
+    if not record.ok:
         return "the arm failed, so it has no profiled steps"
     if trainer == "command":
         return ("trainer=command: moe_perf cannot switch that trainer's profiler on; pass its "

@@ -17,6 +17,7 @@ from collections import defaultdict
 
 from moe_perf.report.explain.arms import arm_breakdown
 from moe_perf.report.explain.categories import CATEGORIES
+from moe_perf.report.results.arm import ArmRecord
 
 TOP_CHANGES = 10
 NOISE_FLOOR = 0.005  # of the base arm's profiled step: smaller changes are never called moves
@@ -73,16 +74,16 @@ def _memory_summary(runs: list[dict]) -> dict:
     return out
 
 
-def explain_group(records: list[dict]) -> dict | None:
+def explain_group(records: list[ArmRecord]) -> dict | None:
     """The explain section of one (model, tag) group; None when no arm asked for it."""
-    asked = any((r.get("config") or {}).get("explain") for r in records)
+    asked = any(r.section("explain") for r in records)
     runs: dict = defaultdict(list)
     for record in records:
-        runs[record.get("arm")].append(arm_breakdown(record))
+        runs[record.arm].append(arm_breakdown(record))
     have = {a: [r for r in rs if "missing" not in r] for a, rs in runs.items()}
     if not asked and not any(have.values()):
         return None
-    trainers = {((r.get("config") or {}).get("trainer") or {}).get("name") for r in records}
+    trainers = {r.section("trainer", "name") for r in records}
     section: dict = {
         "source": _source(trainers),
         "memory": {a: _memory_summary(rs) for a, rs in runs.items()},
