@@ -23,30 +23,21 @@ from dataclasses import dataclass
 import torch
 
 from moe_perf.common.config import load_config
-from moe_perf.trainer.runtime import process_age_s
+from moe_perf.trainer.runtime import HelperThread, process_age_s
 
 EARLY_CONTEXT_THREAD = "moe_perf-early-cuda-context"
 
 
 @dataclass
-class EarlyContext:
-    """The thread making the context and what it took, for startup.json."""
+class EarlyContext(HelperThread):
+    """The thread making the context: its device and when it started (seconds since the
+    process started), beside what every start-up helper records."""
 
-    thread: threading.Thread
-    device: int
-    started_s: float  # seconds since the process started, when the thread started
-    seconds: float | None = None
-    waited_s: float | None = None  # how long the build's join waited for it
-    error: str | None = None
-
-    def join(self) -> None:
-        t0 = time.perf_counter()
-        self.thread.join()
-        self.waited_s = round(time.perf_counter() - t0, 3)
+    device: int = 0
+    started_s: float | None = None
 
     def summary(self) -> dict:
-        return {"device": self.device, "started_s": self.started_s, "seconds": self.seconds,
-                "waited_s": self.waited_s, "error": self.error}  # fmt: skip
+        return {"device": self.device, "started_s": self.started_s, **super().summary()}
 
 
 def wanted(argv: list[str]) -> bool:
@@ -77,7 +68,7 @@ def start(argv: list[str]) -> EarlyContext | None:
             early.error = f"{type(e).__name__}: {e}"
         early.seconds = round(time.perf_counter() - t0, 3)
 
-    early = EarlyContext(threading.Thread(target=make, name=EARLY_CONTEXT_THREAD, daemon=True),
-                         device, round(process_age_s(), 3))  # fmt: skip
+    thread = threading.Thread(target=make, name=EARLY_CONTEXT_THREAD, daemon=True)
+    early = EarlyContext(thread, device=device, started_s=round(process_age_s(), 3))
     early.thread.start()
     return early

@@ -153,10 +153,10 @@ WARM_ATTENTION_THREAD = "moe_perf-warm-attention"
 
 
 @dataclass
-class AttentionWarmUp:
-    """The attention warm-up's thread (`warm_attention_in_background`) and what it did, for
-    startup.json: its forward and backward's seconds, how long the build's join waited for
-    it, and what SDPA refused if it did (a warm-up only: step 1 meets and reports the same)."""
+class HelperThread:
+    """A start-up helper's thread and what it did, for startup.json: its seconds, how long the
+    build's join waited for it, and the error it met if any (a helper only: the build or step 1
+    makes the same calls and reports them)."""
 
     thread: threading.Thread
     seconds: float | None = None
@@ -170,6 +170,12 @@ class AttentionWarmUp:
 
     def summary(self) -> dict:
         return {"seconds": self.seconds, "waited_s": self.waited_s, "error": self.error}
+
+
+@dataclass
+class AttentionWarmUp(HelperThread):
+    """The attention warm-up's thread (`warm_attention_in_background`): its forward and
+    backward's seconds, and what SDPA refused if it did."""
 
 
 def warm_attention_in_background(
