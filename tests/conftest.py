@@ -45,7 +45,7 @@ def pytest_configure(config: pytest.Config) -> None:
     of seconds with in-process tests of milliseconds: xdist's default (`load`) hands out chunks
     of tests that stay with their worker, so one worker can be left with the last chunk's
     sweeps while the other waits; with `worksteal` an idle worker takes half of the other's
-    queue."""
+    queue (pytest-xdist 3.2 or later)."""
     chosen = any(arg.startswith("--dist") for arg in config.invocation_params.args)
     if getattr(config.option, "dist", "no") == "load" and not chosen:
         config.option.dist = "worksteal"
