@@ -38,3 +38,14 @@ def repo(tmp_path: Path) -> Path:
 @pytest.fixture
 def ab_repo(tmp_path: Path) -> Path:
     return make_ab_repo(tmp_path / "repo")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """`-n 2` without `--dist` schedules by work stealing. The suite mixes real sweeps of tens
+    of seconds with in-process tests of milliseconds: xdist's default (`load`) hands out chunks
+    of tests that stay with their worker, so one worker can be left with the last chunk's
+    sweeps while the other waits; with `worksteal` an idle worker takes half of the other's
+    queue (pytest-xdist 3.2 or later)."""
+    chosen = any(arg.startswith("--dist") for arg in config.invocation_params.args)
+    if getattr(config.option, "dist", "no") == "load" and not chosen:
+        config.option.dist = "worksteal"

@@ -62,7 +62,8 @@ def test_bisect_names_the_commit_that_made_the_step_slower(tmp_path):
 def test_bisect_skips_a_commit_that_fails_to_run(tmp_path):
     repo = tmp_path / "repo"
     shas = history(repo, broken=6)
-    result = moe_perf(repo, "bisect", shas[0], shas[-1], *RUN, timeout=600)
+    # GOOD is commit 4: the failing commit 6 is the middle of 5..8, the first probe after BAD's
+    result = moe_perf(repo, "bisect", shas[3], shas[-1], *RUN, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"first commit DIFFERENT (slower): {shas[4]} commit 5" in result.stdout
     skipped = [p for p in bisect_json(repo)["probes"] if p["failed"]]

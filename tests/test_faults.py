@@ -255,7 +255,8 @@ def test_a_killed_runners_launch_is_stopped_by_the_next_sweep(tmp_path):
         time.sleep(1)
         assert alive(trainer)  # orphaned: re-parented, still holding the devices
         assert len(git(repo, "worktree", "list").splitlines()) == 2
-        result = moe_perf(repo, *RUN, "arm=feat")
+        # the orphan ignores SIGTERM: it goes at SIGKILL, after the grace (10 s by default)
+        result = moe_perf(repo, *RUN, "arm=feat", "launcher.kill_grace_s=1")
         out = result.stdout + result.stderr
         assert result.returncode == 0, out[-3000:]
         assert "stopped 1 launch(es) of an earlier moe_perf sweep whose runner died" in out

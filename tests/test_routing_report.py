@@ -145,11 +145,13 @@ def test_the_picture_draws_step_time_and_tokens_per_s_against_imbalance(tmp_path
 
 @pytest.mark.slow
 def test_a_sweep_over_the_imbalance_with_the_reference_trainer(tmp_path):
-    """The real command: routing=skew over two imbalances, both arms, on CPU."""
+    """The real command: routing=skew over two imbalances, both arms, on CPU; one pair per
+    imbalance (an A/A of 3 steps: pairs until decided ran up to 10 in each cell)."""
     repo = make_repo(tmp_path / "repo")
     result = moe_perf(repo, "routing=skew", "mesh=ep2", "training.sequence_length=64",
                       "training.global_batch=4", "training.max_steps=3", "wandb.mode=disabled",
-                      "-m", "routing.imbalance=1,2", "arm=base,feat", timeout=600)  # fmt: skip
+                      "compare.max_pairs=1", "-m", "routing.imbalance=1,2", "arm=base,feat",
+                      timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(p.read_text()) for p in sweep_dir(repo).rglob("metrics.json")]
     assert sorted({r["tag"] for r in records}) == [

@@ -243,6 +243,7 @@ def test_launcher_slurm_outside_an_allocation_launches_nothing(ab_repo):
 # ---- against the real SLURM ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 @pytest.mark.parametrize("how", ["salloc", "sbatch"])
 def test_launcher_slurm_sweep_matches_local(slurm_cluster, local_sweep, tmp_path, how):
@@ -258,6 +259,7 @@ def test_launcher_slurm_sweep_matches_local(slurm_cluster, local_sweep, tmp_path
     assert "# moe_perf comparison" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_launcher_slurm_failed_step_is_a_failed_arm(slurm_cluster, tmp_path):
     repo = make_ab_repo(tmp_path / "repo", base=trainer_files(exit_after_step=2))

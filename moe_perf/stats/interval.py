@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 # Trimming one pair per side costs three degrees of freedom (see degrees_of_freedom), which at a
 # handful of pairs and the looks' small error rates widens the interval more than an occasional
@@ -27,6 +26,15 @@ from scipy import stats
 # and from 10 decides the most clean ones (98% SAME against 92-94%). Below this count one
 # outlying pair widens the interval (UNKNOWN, never a wrong word); from here it is trimmed.
 TRIM_FROM = 10
+
+
+def t_quantile(q, df):
+    """Student's t quantile (arrays too): the intervals' one use of scipy."""
+    # imported here: scipy.stats costs about half a second to import, which every command
+    # refused before it runs (a bad override, a dirty tree) would otherwise pay
+    from scipy import stats
+
+    return stats.t.ppf(q, df)
 
 
 def abba(pairs: int) -> np.ndarray:
@@ -54,7 +62,7 @@ class LogRatioFit:
         """Half-width of the two-sided (1 - alpha) t interval, inf where there is no spread."""
         if self.df < 1 or alpha <= 0:
             return np.full_like(self.estimate, np.inf)
-        return stats.t.ppf(1 - alpha / 2, self.df) * self.se
+        return t_quantile(1 - alpha / 2, self.df) * self.se
 
 
 def fit(d: np.ndarray, feat_first: np.ndarray) -> LogRatioFit:

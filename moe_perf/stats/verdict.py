@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 from moe_perf.stats.interval import (
     TRIM_FROM,
@@ -32,6 +31,7 @@ from moe_perf.stats.interval import (
     degrees_of_freedom,
     far_pair,
     fit,
+    t_quantile,
 )
 from moe_perf.stats.words import (
     DIFFERENT,
@@ -270,7 +270,7 @@ def _more_pairs(seen: Look, plan: Plan) -> int | None:
 
 def _decided_at(later: np.ndarray, now: LogRatioFit, n: int, plan: Plan) -> np.ndarray:
     dfs = degrees_of_freedom(later, now.order_modelled)
-    quantile = stats.t.ppf(1 - plan.alpha_at(later) / 2, np.maximum(dfs, 1))
+    quantile = t_quantile(1 - plan.alpha_at(later) / 2, np.maximum(dfs, 1))
     half = np.where(dfs >= 1, quantile * now.se[0] * np.sqrt(n / later), np.inf)
     centre = now.estimate[0]
     return words_of(centre - half, centre + half, plan.effect) != UNKNOWN
