@@ -20,10 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-import torch
-
 from moe_perf.common.config import load_config
-from moe_perf.trainer.runtime import HelperThread, process_age_s
+from moe_perf.trainer.clock import HelperThread, process_age_s
 
 EARLY_CONTEXT_THREAD = "moe_perf-early-cuda-context"
 
@@ -48,6 +46,8 @@ def wanted(argv: list[str]) -> bool:
         return False
     if not cfg.trainer.early_cuda_context or cfg.training.device == "cpu":
         return False
+    import torch  # only now: with the switch off, the imports stay as without it
+
     return torch.cuda.is_available()
 
 
@@ -56,6 +56,8 @@ def start(argv: list[str]) -> EarlyContext | None:
     config does not ask for it or no GPU is there."""
     if not argv or not wanted(argv):
         return None
+    import torch  # imported by `wanted` already
+
     device = int(os.environ.get("LOCAL_RANK", 0))
 
     def make() -> None:
