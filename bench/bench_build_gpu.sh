@@ -12,8 +12,8 @@
 # Sweep `build` (-m repeat=0,1 arm=base,feat, trainer.build in place, build cache in OUT_DIR)
 # builds each commit once and measures it; sweep `cached` (-m arm=base,feat) finds both builds
 # in the cache (SWEEPS, default "build cached"; PAIRS, default 0,1, the build sweep's repeats;
-# MICRO, default 4). bench.txt in OUT_DIR collects: per arm the build's status, whether it was
-# reused or restored, its time, the extension file and hash it loaded, the step time; then the
+# MICRO, default 4; LAYERS, default 2). bench.txt in OUT_DIR collects: per arm the build's
+# status, whether it was reused or restored, its time, the extension file and hash it loaded, the step time; then the
 # comparisons. Needs nvcc (CUDA_HOME or PATH) and setuptools for the arms' python.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)  # bench/, before any cd
@@ -23,7 +23,11 @@ OUT=$(mkdir -p "$2" && cd "$2" && pwd)
 REPEATS=${3:-8}
 PY=${PYTHON:-python}
 STEPS=${STEPS:-8}
-MICRO=${MICRO:-4}  # micro-batch / torchtitan's local batch (eager: 8 ran out of memory on an 80 GB H100)
+# Eager torchtitan (the extension is opaque to dynamo) at 4 layers ran out of memory on an 80 GB
+# H100 at micro-batch 8 and at 4 (fp32 weights, gradients and Adam states of 3B parameters,
+# 48 GB, before activations): 2 layers by default.
+LAYERS=${LAYERS:-2}
+MICRO=${MICRO:-4}  # micro-batch / torchtitan's local batch
 PAIRS=${PAIRS:-0,1}  # the build sweep's repeats
 SWEEPS=${SWEEPS:-build cached}
 
@@ -123,7 +127,7 @@ sed -i "s/#define LAUNCHES 1/#define LAUNCHES $REPEATS/" moe_permute/permute.cu
 git checkout -q main
 echo "base: one gather launch per MoE layer and micro-batch; feat: $REPEATS (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)" | tee "$OUT/bench.txt"
 
-ARGS=(trainer=torchtitan model=qwen3-30b-a3b model.num_layers=4 mesh=single
+ARGS=(trainer=torchtitan model=qwen3-30b-a3b "model.num_layers=$LAYERS" mesh=single
       training.sequence_length=2048 training.global_batch=32 "training.max_steps=$STEPS"
       "training.micro_batch=$MICRO" trainer.compile=false wandb.mode=disabled timeout_s=900
       refs.base=main refs.feat=slower
