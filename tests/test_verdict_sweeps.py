@@ -178,21 +178,24 @@ def test_bad_verdict_settings_are_refused_before_anything_runs(tmp_path):
 # ---- real step times ---------------------------------------------------------------------------
 
 
-def test_a_planted_20_percent_slowdown_is_different_at_the_first_look(tmp_path):
-    # feat does 20% more real work per step; with compare.max_pairs=4 the one look, at the
-    # fourth pair, is the first the rule allows and spends all of its error rate
+def test_a_planted_50_percent_slowdown_is_different_at_the_first_look(tmp_path):
+    # feat does 50% more real work per step; with compare.max_pairs=4 the one look, at the
+    # fourth pair, is the first the rule allows and spends all of its error rate. The work is
+    # timed in CPU seconds, which a loaded 2-core machine still moves run to run (clock speed,
+    # caches): one pair off by 20% left a planted 20% UNKNOWN (interval -11% to +57%); 50% is
+    # decided through such a pair.
     repo = make_repo(tmp_path / "repo", {"mytrainer/__main__.py": WORK_TRAINER.read_text(),
                                          "mytrainer/knobs.json": '{"iterations": 40}',
                                          ".gitignore": "__pycache__/\n"})  # fmt: skip
     git(repo, "checkout", "-q", "-b", "feature")
-    commit(repo, {"mytrainer/knobs.json": '{"iterations": 48}'}, "20% more work per step")
+    commit(repo, {"mytrainer/knobs.json": '{"iterations": 60}'}, "50% more work per step")
     result = moe_perf(repo, *RUN, "training.max_steps=16", "compare.max_pairs=4",
                       "-m", "arm=base,feat")  # fmt: skip
     assert result.returncode == 0, result.stderr
     (group,) = groups(repo).values()
     verdict = group["verdict"]["step_time_s"]
     assert (verdict["word"], verdict["pairs"]) == ("DIFFERENT", Plan().first_look), verdict
-    assert 0.05 < verdict["estimate"] < 0.5 and verdict["low"] > 0
+    assert 0.2 < verdict["estimate"] < 1.0 and verdict["low"] > 0
 
 
 def test_a_reference_trainer_aa_at_a_rare_false_alarm_rate_is_not_different(tmp_path):
