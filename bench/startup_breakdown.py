@@ -15,7 +15,8 @@ ARM_DIR is an arm's directory: bench_startup.py's OUT/runN, or an arm of a sweep
 * console.log when the trainer ran with `-X importtime` (a one-process arm:
   trainer.command=[-X,importtime,-m,moe_perf.trainer]): the heaviest imports of the process,
   those before `main` and those done lazily later (which the stacks also count as imports);
-* the arm's startup.json: with trainer.warm_attention, what the warm-up took.
+* the arm's startup.json: what the start-up's helper threads took (trainer.warm_attention's
+  warm-up, trainer.early_cuda_context's context) and how long the build waited for them.
 
 So one warm arm run with `--set trainer.sample_stacks_ms=5 --set
 'trainer.command=[-X,importtime,-m,moe_perf.trainer]'` attributes its seconds to imports, the
@@ -66,6 +67,10 @@ PHASES = (
     "step 1", "step 1: autograd's device thread", "since step1_done", "since steps_done",
 )  # fmt: skip
 IMPORT_LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \| ( *)(\S+)")
+
+
+# the start-up's helper threads startup.json may describe: its key, and the name shown
+HELPERS = {"attention_warm_up": "attention warm-up", "early_cuda_context": "early CUDA context"}
 
 
 def category(frames: list[str]) -> str:
@@ -178,9 +183,10 @@ def breakdown(arm_dir: Path, top: int = 3) -> dict:
     if found:
         result["imports_s"] = found
     startup = arm_dir / "startup.json"
-    warm = json.loads(startup.read_text()).get("attention_warm_up") if startup.is_file() else None
-    if warm:
-        result["attention_warm_up"] = warm
+    info = json.loads(startup.read_text()) if startup.is_file() else {}
+    for helper in HELPERS:
+        if info.get(helper):
+            result[helper] = info[helper]
     return result
 
 
@@ -199,8 +205,9 @@ def show(result: dict, out=sys.stdout) -> None:
     for entry in result.get("imports_s", []):
         heaviest = ", ".join(f"{m} {s:.2f}" for m, s in entry["heaviest"])
         print(f"  import {entry['module']}: {entry['s']:.2f} s ({heaviest})", file=out)
-    if "attention_warm_up" in result:
-        print(f"== attention warm-up: {json.dumps(result['attention_warm_up'])}", file=out)
+    for helper, name in HELPERS.items():
+        if helper in result:
+            print(f"== {name}: {json.dumps(result[helper])}", file=out)
 
 
 def main(argv: list[str] | None = None) -> int:
