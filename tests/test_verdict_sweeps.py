@@ -180,10 +180,10 @@ def test_bad_verdict_settings_are_refused_before_anything_runs(tmp_path):
 
 def test_a_planted_50_percent_slowdown_is_different_at_the_first_look(tmp_path):
     # feat does 50% more real work per step; with compare.max_pairs=4 the one look, at the
-    # fourth pair, is the first the rule allows and spends all of its error rate. The work is
-    # timed in CPU seconds, which a loaded 2-core machine still moves run to run (clock speed,
-    # caches): one pair off by 20% left a planted 20% UNKNOWN (interval -11% to +57%); 50% is
-    # decided through such a pair.
+    # fourth pair, is the first the rule allows and spends all of its error rate. On a loaded
+    # 2-core machine one pair off by 20% once left a planted 20% UNKNOWN (interval -11% to
+    # +57%), when the trainer timed a whole step's CPU seconds; it now times the fastest round,
+    # and the plant is large enough to be decided through such a pair as well.
     repo = make_repo(tmp_path / "repo", {"mytrainer/__main__.py": WORK_TRAINER.read_text(),
                                          "mytrainer/knobs.json": '{"iterations": 40}',
                                          ".gitignore": "__pycache__/\n"})  # fmt: skip
