@@ -282,22 +282,23 @@ def _reason(word, seen: Look, plan: Plan, low, more: int | None, far: int | None
         return f"the interval lies inside +/-{effect}"
     if word == DIFFERENT:
         return "the interval excludes zero"
-    if plan.max_pairs < 2 and not plan.sequential:
-        return (
-            "one fixed repeat runs one pair, which gives no run-to-run spread: leave repeat "
-            "at auto (the default) or sweep several, e.g. -m repeat=0,1,2,3, for a verdict"
-        )
     if plan.max_pairs < 2:
-        return (
-            "compare.max_pairs=1 runs one pair, which gives no run-to-run spread: "
-            f"set compare.max_pairs={max(FIRST_LOOK, DEFAULT_MAX_PAIRS)} for a verdict"
-        )
+        return f"{_one_pair_remedy(plan)} for a verdict"
     if seen.pairs < 2:
         return "one pair gives no run-to-run spread"
     why = _unknown_why(seen, plan, low)
     if far is not None and seen.fit.trimmed == 0:
         why += f"; pair #{far} lies far from the others (trimmed from {TRIM_FROM} pairs on)"
     return why + _what_would_decide(seen, plan, more)
+
+
+def _one_pair_remedy(plan: Plan) -> str:
+    """Why a plan of one pair never decides, and the setting that changes it."""
+    if not plan.sequential:  # -m repeat=0: fixed repeats, one of them
+        return ("one fixed repeat runs one pair, which gives no run-to-run spread: leave repeat "
+                "at auto (the default) or sweep several, e.g. -m repeat=0,1,2,3")  # fmt: skip
+    return ("compare.max_pairs=1 runs one pair, which gives no run-to-run spread: "
+            f"set compare.max_pairs={max(FIRST_LOOK, DEFAULT_MAX_PAIRS)}")  # fmt: skip
 
 
 def _unknown_why(seen: Look, plan: Plan, low) -> str:
