@@ -56,12 +56,15 @@ def scratch_repo() -> Path:
 
 
 def one_run(i: int, repo: Path, out: Path, cache: Path, overrides: dict[str, str],
-            extra_env: dict) -> dict:  # fmt: skip
+            extra_env: dict, pairs: int = 0) -> dict | list[dict]:  # fmt: skip
     run_dir = out / f"run{i}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    argv = [sys.executable, "-m", "moe_perf", f"repo={repo}", "arm=base",
-            *(f"{k}={v}" for k, v in overrides.items()),
-            f"compile_cache={cache}", f"hydra.run.dir={run_dir}"]  # fmt: skip
+    arms = ["arm=base", f"hydra.run.dir={run_dir}"]
+    if pairs:  # one sweep of `pairs` A/A pairs: base and feat are the same commit
+        repeats = ",".join(map(str, range(pairs)))
+        arms = [f"hydra.sweep.dir={run_dir}", "-m", "arm=base,feat", f"repeat={repeats}"]
+    argv = [sys.executable, "-m", "moe_perf", f"repo={repo}",
+            *(f"{k}={v}" for k, v in overrides.items()), f"compile_cache={cache}", *arms]  # fmt: skip
     env = {
         **os.environ,
         **extra_env,
@@ -71,12 +74,17 @@ def one_run(i: int, repo: Path, out: Path, cache: Path, overrides: dict[str, str
     proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True, text=True, check=False)
     command_s = time.perf_counter() - t0
     (out / f"run{i}.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not (run_dir / "metrics.json").exists():
+    paths = sorted(run_dir.rglob("metrics.json")) if pairs else [run_dir / "metrics.json"]
+    if proc.returncode != 0 or not paths or not all(p.exists() for p in paths):
         raise SystemExit(f"run {i} failed (exit {proc.returncode}); see {out / f'run{i}.log'}")
-    record = json.loads((run_dir / "metrics.json").read_text())
-    if record["status"] != "ok":
-        raise SystemExit(f"run {i}: {record['failure']}; see {record['log']}")
-    return summarize(record, command_s)
+    records = [json.loads(p.read_text()) for p in paths]
+    for record in records:
+        if record["status"] != "ok":
+            raise SystemExit(f"run {i}: {record['failure']}; see {record['log']}")
+    if not pairs:
+        return summarize(records[0], command_s)
+    records.sort(key=lambda r: r["started"])  # the order the sweep ran them
+    return [summarize(r, command_s) | {"arm": r["arm_dir"].rsplit("-", 2)[-2:]} for r in records]
 
 
 def summarize(record: dict, command_s: float) -> dict:
@@ -127,6 +135,9 @@ def main() -> None:
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--cache", type=Path, help="the compile cache (default OUT_DIR/cache)")
     parser.add_argument("--warm", action="store_true", help="do not empty the cache first")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="each run one sweep of this many A/A pairs (-m arm=base,feat "
+                             "repeat=0..), each arm reported")  # fmt: skip
     args = parser.parse_args()
     overrides = dict(SHAPES)
     for item in args.set:
@@ -145,11 +156,15 @@ def main() -> None:
     results = []
     try:
         for i in range(1, args.runs + 1):
-            results.append(one_run(i, repo, out, cache, overrides, extra_env))
-            show(i, results[-1])
+            results.append(one_run(i, repo, out, cache, overrides, extra_env, args.pairs))
+            for j, arm in enumerate(results[-1] if args.pairs else [results[-1]], 1):
+                if args.pairs:
+                    print(f"arm {j} ({'-'.join(arm['arm'])}):", end=" ")
+                show(i, arm)
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
-    info = {"overrides": overrides, "env": extra_env, "cache": str(cache), "warm_start": args.warm}
+    info = {"overrides": overrides, "env": extra_env, "cache": str(cache), "warm_start": args.warm,
+            "pairs": args.pairs}
     (out / "startup.json").write_text(json.dumps({**info, "runs": results}, indent=1) + "\n")
 
 

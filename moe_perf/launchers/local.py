@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,18 @@ from moe_perf.common.errors import PrerequisiteError
 from moe_perf.launchers.base import LauncherSchema, free_port, one_process_env, torchrun_argv
 
 
+# What launcher.preload imports once per sweep (forkserver.py): torch, dynamo and inductor, the
+# imports of every compiled arm before its first line of training.
+PRELOAD_MODULES = ["torch", "torch._dynamo", "torch._inductor.compile_fx"]
+
+
 @dataclass
 class LocalLauncherSchema(LauncherSchema):
     name: str = "local"
+    # one-process arms forked from an interpreter that imported preload_modules once per sweep
+    # (launchers/preload.py); off by default until a GPU measurement shows the gain
+    preload: bool = False
+    preload_modules: list[str] = field(default_factory=lambda: list(PRELOAD_MODULES))
 
 
 class LocalLauncher:

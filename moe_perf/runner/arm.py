@@ -24,6 +24,7 @@ from moe_perf import frameworks, launchers
 from moe_perf.common.errors import REFUSED, PrerequisiteError
 from moe_perf.common.explain import explain_steps
 from moe_perf.frameworks.command import arm_values, fill_env
+from moe_perf.launchers import preload
 from moe_perf.launchers.process import LaunchResult, run_trainer, trainer_env
 from moe_perf.logs import RunShape
 from moe_perf.logs.progress import shown
@@ -114,6 +115,15 @@ def note_imports(cfg: DictConfig, job: Job, sweep: Sweep, label: str, worktree: 
         say(f"{label}: warning: {warning}", sys.stderr)
 
 
+def preloaded(cfg: DictConfig, launcher: Any, trainer_argv: list[str]) -> bool:
+    """Whether the arm runs forked from the sweep's preloaded interpreter (launcher.preload):
+    a one-process arm whose command is `-m module` or a script, with no interpreter option."""
+    if not cfg.launcher.get("preload", False) or not launcher.one_process(cfg):
+        return False
+    first = str(trainer_argv[0]) if trainer_argv else "-"
+    return first == "-m" or not first.startswith("-")
+
+
 def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, label: str,
                extra: dict) -> LaunchResult:  # fmt: skip
     """Builds (once per commit) and runs the arm's trainer in its commit's worktree; notes in
@@ -128,6 +138,11 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, l
     # every trainer's processes get torch.compile's caches and the bytecode directory
     # (compile_cache.py) under the adapter's environment, the user's trainer.env winning
     env = compile_cache.under(cfg, worktree, fill_env(trainer.env, cfg, values))
+    preload = preloaded(cfg, launcher, trainer.argv)
+    if preload:  # the server imports while the arm is prepared (its build, its imports noted)
+        whole = trainer_env(worktree, job.arm_dir, "", {**threads.env, **launcher.env(cfg), **env},
+                            Path(sweep.repo))  # fmt: skip
+        session.preloader(cfg).warm(whole, Path(sweep.repo))
     not_built = build_before_launch(cfg, job, sweep, label, worktree, env, extra)
     if not_built:
         (job.arm_dir / "console.log").write_text(f"not launched: {not_built}\n")
@@ -144,16 +159,21 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, l
     # the worktree's own bytecode, when the compile cache holds it (git.add_worktree: the
     # worktree's temporary directory holds it)
     bytecode = compile_cache.bytecode_dir_of(env, worktree.parent)
+    env = {**threads.env, **launcher.env(cfg), **env}
+    argv = launcher.argv(cfg, job.arm_dir, trainer.argv)
+    if preload:
+        whole = trainer_env(worktree, job.arm_dir, "", env, Path(sweep.repo))
+        argv = session.preloader(cfg).argv(argv, whole, job.arm_dir, Path(sweep.repo))
     with removed_after(bytecode), compile_cache.bytecode_compiled(env):
         return run_trainer(
-            launcher.argv(cfg, job.arm_dir, trainer.argv),
+            argv,
             cwd=worktree,
             arm_dir=job.arm_dir,
             label=label,
             timeout_s=float(cfg.timeout_s),
             kill_grace_s=float(cfg.launcher.kill_grace_s),
             max_steps=int(cfg.training.max_steps),
-            env={**threads.env, **launcher.env(cfg), **env},
+            env=env,
             failure_reason=launcher.failure_reason,
             one_process=one_process,
             log_format=trainer.log_format,
@@ -166,6 +186,9 @@ def finish_arm(job: Job, sweep: Sweep, config: dict, result: LaunchResult, start
                t0: float, extra: dict) -> ArmRecord:  # fmt: skip
     arm = config["arm"]["name"]
     startup = compile_cache.read_startup(job.arm_dir)  # rank 0's timeline and cache counters
+    preloaded_by = preload.read_info(job.arm_dir)  # launcher.preload: served, or why not
+    if preloaded_by is not None:
+        extra = {**extra, "preload": preloaded_by}
     if startup is not None:
         extra = {**extra, "startup_marks_s": startup.get("marks_s")}
         if startup.get("compile_phases_s"):  # where the compiles' time went (reference trainer)

@@ -29,7 +29,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.common.errors import REFUSED, PrerequisiteError
-from moe_perf.launchers import orphans
+from moe_perf.launchers import orphans, preload
 from moe_perf.report import sweep as sweeps
 from moe_perf.report.record import now_iso
 from moe_perf.report.results.files import write_json
@@ -180,6 +180,7 @@ class SweepSession:
     active: sweeps.Sweep | None = None
     all_jobs_checked: bool = False
     checked_arm_dir: Path | None = None
+    _preloader: preload.Preloader | None = None
 
     @contextlib.contextmanager
     def serving(self) -> Iterator[SweepSession]:
@@ -242,8 +243,22 @@ class SweepSession:
         _write_worktrees(Path(sweep.sweep_dir), sweep.repo, worktrees)
         return worktrees[sha]
 
+    def preloader(self, cfg: Any) -> preload.Preloader:
+        """The sweep's preloaded interpreter (launcher.preload), stopped by `end`."""
+        modules = tuple(str(m) for m in cfg.launcher.preload_modules)
+        if self._preloader is not None and self._preloader.modules != modules:
+            self._preloader.stop()
+            self._preloader = None
+        if self._preloader is None:
+            self._preloader = preload.Preloader(modules)
+            atexit.register(self._preloader.stop)  # however the command ends
+        return self._preloader
+
     def end(self) -> None:
-        """The active sweep's worktrees removed (end_sweep); nothing when there is none."""
+        """The active sweep's worktrees removed (end_sweep) and its preloaded interpreter
+        stopped; nothing when there is none."""
+        if self._preloader is not None:
+            self._preloader.stop()
         if self.active is not None:
             end_sweep(Path(self.active.sweep_dir))
 
