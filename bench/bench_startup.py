@@ -64,7 +64,8 @@ def one_run(i: int, repo: Path, out: Path, cache: Path, overrides: dict[str, str
         repeats = ",".join(map(str, range(pairs)))
         arms = [f"hydra.sweep.dir={run_dir}", "-m", "arm=base,feat", f"repeat={repeats}"]
     argv = [sys.executable, "-m", "moe_perf", f"repo={repo}",
-            *(f"{k}={v}" for k, v in overrides.items()), f"compile_cache={cache}", *arms]  # fmt: skip
+            *(f"{k}={v}" for k, v in overrides.items()), f"compile_cache={cache}",
+            *arms]  # fmt: skip
     env = {
         **os.environ,
         **extra_env,
@@ -163,8 +164,13 @@ def main() -> None:
                 show(i, arm)
     finally:
         shutil.rmtree(repo.parent, ignore_errors=True)
-    info = {"overrides": overrides, "env": extra_env, "cache": str(cache), "warm_start": args.warm,
-            "pairs": args.pairs}
+    info = {
+        "overrides": overrides,
+        "env": extra_env,
+        "cache": str(cache),
+        "warm_start": args.warm,
+        "pairs": args.pairs,
+    }
     (out / "startup.json").write_text(json.dumps({**info, "runs": results}, indent=1) + "\n")
 
 

@@ -145,7 +145,8 @@ class Server:
             for name in self.preloaded:
                 for candidate in (name, f"{name}.py"):
                     if os.path.exists(os.path.join(directory, candidate)):
-                        return f"{os.path.join(directory, candidate)} would be imported instead of the preloaded {name}"  # noqa: E501
+                        path = os.path.join(directory, candidate)
+                        return f"{path} would be imported instead of the preloaded {name}"
         return None
 
     def _wait(self, pid: int, conn: socket.socket) -> int:
@@ -265,7 +266,7 @@ def _connect(path: str, server_pid: int) -> socket.socket:
 
 
 def run(path: str, server_pid: int, info_path: str, argv: list[str]) -> None:
-    if not argv or (argv[0].startswith("-") and argv[0] != "-m") or argv[:1] == ["-m"] and len(argv) < 2:
+    if not argv or argv[0] != "-m" and argv[0].startswith("-") or argv == ["-m"]:
         _plain(argv, info_path, f"interpreter options in {' '.join(argv[:2])}")
     t0 = time.perf_counter()
     try:
@@ -276,7 +277,7 @@ def run(path: str, server_pid: int, info_path: str, argv: list[str]) -> None:
     except OSError as err:
         _plain(argv, info_path, str(err))
     if reply is None:
-        _plain(argv, info_path, f"the preloaded interpreter (pid {server_pid}) closed the connection")
+        _plain(argv, info_path, f"the preloaded interpreter (pid {server_pid}) hung up")
     if "refused" in reply:
         _plain(argv, info_path, reply["refused"])
     child = reply["pid"]
@@ -311,7 +312,10 @@ def main(args: list[str]) -> None:
     elif len(args) >= 5 and args[0] == "run" and args[4] == "--":
         run(args[1], int(args[2]), args[3], args[5:])
     else:
-        sys.exit("usage: forkserver.py serve SOCKET MODULE... | run SOCKET SERVER_PID INFO_JSON -- ARGV...")
+        sys.exit(
+            "usage: forkserver.py serve SOCKET MODULE... | "
+            "run SOCKET SERVER_PID INFO_JSON -- ARGV..."
+        )
 
 
 if __name__ == "__main__":

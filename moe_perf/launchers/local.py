@@ -18,7 +18,6 @@ from typing import Any
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.launchers.base import LauncherSchema, free_port, one_process_env, torchrun_argv
 
-
 # What launcher.preload imports once per sweep (forkserver.py): torch, dynamo and inductor, the
 # imports of every compiled arm before its first line of training.
 PRELOAD_MODULES = ["torch", "torch._dynamo", "torch._inductor.compile_fx"]
