@@ -12,11 +12,11 @@ child makes its own context, as a fresh process does.
 This file is run by path and imports nothing of moe_perf: the server holds no moe_perf
 module, and each arm imports its own worktree's. Stdlib only.
 
-    python forkserver.py serve SOCKET MODULE...
+    python forkserver.py serve SOCKET RUNNER_PID MODULE...
     python forkserver.py run SOCKET SERVER_PID INFO_JSON -- ARGV...
 
 `serve` imports the modules, then listens on SOCKET (which appears once they are imported),
-one arm at a time, and exits when its parent (the runner) is gone. `run` is the arm's launch:
+one arm at a time, and exits when RUNNER_PID, its parent, is gone. `run` is the arm's launch:
 it hands its argv, environment, cwd and streams to the server, forwards the signals it gets to
 the child, and exits as the child did. Where the server cannot serve the arm (gone, an
 interpreter option, or a directory early on the arm's path that holds its own copy of a
@@ -76,9 +76,8 @@ class _Lines:
 
 
 class Server:
-    def __init__(self, path: str, modules: list[str]) -> None:
-        self.path, self.modules = path, modules
-        self.parent = os.getppid()
+    def __init__(self, path: str, parent: int, modules: list[str]) -> None:
+        self.path, self.parent, self.modules = path, parent, modules
         # a fresh `python -m X` has its cwd first, the runner's PYTHONPATH next, then the rest
         self.own_pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         t0 = time.perf_counter()
@@ -223,9 +222,9 @@ def _run_child(request: dict, fds: list[int], base_path: list[str]) -> None:
             os._exit(code)
 
 
-def serve(path: str, modules: list[str]) -> None:
+def serve(path: str, parent: int, modules: list[str]) -> None:
     sys.path.pop(0)  # this file's directory: nothing here may shadow what the arms import
-    server = Server(path, modules)
+    server = Server(path, parent, modules)
     print(f"forkserver {os.getpid()}: {', '.join(modules)} imported in {server.import_s} s",
           flush=True)  # fmt: skip
     server.serve()
@@ -249,13 +248,20 @@ def _plain(argv: list[str], info_path: str, why: str) -> None:
     os.execv(sys.executable, [sys.executable, *argv])
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a server that failed its imports waits for the runner's reaping)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _connect(path: str, server_pid: int) -> socket.socket:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not os.path.exists(path):
-        try:
-            os.kill(server_pid, 0)
-        except ProcessLookupError:
-            raise ConnectionError(f"the preloaded interpreter (pid {server_pid}) is gone") from None
+        if not _running(server_pid):
+            raise ConnectionError(f"the preloaded interpreter (pid {server_pid}) is gone")
         if time.monotonic() > deadline:
             raise ConnectionError(f"the preloaded interpreter (pid {server_pid}) was not ready "
                                   f"after {READY_TIMEOUT_S:g} s")  # fmt: skip
@@ -307,13 +313,13 @@ def run(path: str, server_pid: int, info_path: str, argv: list[str]) -> None:
 
 
 def main(args: list[str]) -> None:
-    if len(args) >= 2 and args[0] == "serve":
-        serve(args[1], args[2:])
+    if len(args) >= 3 and args[0] == "serve":
+        serve(args[1], int(args[2]), args[3:])
     elif len(args) >= 5 and args[0] == "run" and args[4] == "--":
         run(args[1], int(args[2]), args[3], args[5:])
     else:
         sys.exit(
-            "usage: forkserver.py serve SOCKET MODULE... | "
+            "usage: forkserver.py serve SOCKET RUNNER_PID MODULE... | "
             "run SOCKET SERVER_PID INFO_JSON -- ARGV..."
         )
 

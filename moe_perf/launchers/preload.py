@@ -101,7 +101,7 @@ class Preloader:
         with open(directory / "server.log", "w", encoding="utf-8") as log:
             proc = subprocess.Popen(
                 [sys.executable, str(FORKSERVER), "serve", str(directory / "socket"),
-                 *self.modules],
+                 str(os.getpid()), *self.modules],
                 cwd=directory,
                 env=server_env,
                 stdin=subprocess.DEVNULL,
