@@ -173,8 +173,9 @@ def test_a_killed_launch_takes_its_child_with_it(preloader, probe_dir, tmp_path)
 def test_the_server_exits_with_its_runner(tmp_path):
     """A runner killed outright (SIGKILL) leaves no server running."""
     runner = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom moe_perf.launchers.preload import Preloader\n"
-         f"p = Preloader(('json',)); p.warm(dict(__import__('os').environ), None)\n"
+        [sys.executable, "-c", "import os, time\n"
+         "from moe_perf.launchers.preload import Preloader\n"
+         "p = Preloader(('json',)); p.warm(dict(os.environ), None)\n"
          "print(p.server.proc.pid, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
