@@ -262,3 +262,14 @@ def test_the_reference_trainer_forked_from_torch_trains_as_a_fresh_process(tmp_p
     fresh = json.loads((tmp_path / "plain" / "metrics.json").read_text())
     assert "preload" not in fresh
     assert [s["loss"] for s in fresh["steps"]] == [s["loss"] for s in base["steps"]]
+
+
+def test_the_dry_run_says_which_arms_would_be_forked(tmp_path):
+    repo = make_ab_repo(tmp_path / "repo")
+    said = "launcher.preload: run as a fork of the sweep's interpreter that imported numpy once"
+    for overrides, forked in ((["launcher.preload=true"], True), ([], False),
+                              (["launcher.preload=true", "mesh=ep2"], False)):  # fmt: skip
+        result = moe_perf(repo, *SMALL_RUN, "launcher.preload_modules=[numpy]", "dry_run=true",
+                          "arm=feat", *overrides)  # fmt: skip
+        assert_ok(result)
+        assert (said in result.stdout) is forked, overrides

@@ -26,8 +26,10 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
 
@@ -116,6 +118,15 @@ class Preloader:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+def preloaded(cfg: Any, launcher: Any, trainer_argv: Sequence[str]) -> bool:
+    """Whether the arm runs forked from the sweep's preloaded interpreter (launcher.preload):
+    a one-process arm whose command is `-m module` or a script, with no interpreter option."""
+    if not cfg.launcher.get("preload", False) or not launcher.one_process(cfg):
+        return False
+    first = str(trainer_argv[0]) if trainer_argv else "-"
+    return first == "-m" or not first.startswith("-")
 
 
 def read_info(arm_dir: Path) -> dict | None:

@@ -25,6 +25,7 @@ from moe_perf.common.errors import REFUSED, PrerequisiteError
 from moe_perf.common.explain import explain_steps
 from moe_perf.frameworks.command import arm_values, fill_env
 from moe_perf.launchers import preload
+from moe_perf.launchers.preload import preloaded
 from moe_perf.launchers.process import LaunchResult, run_trainer, trainer_env
 from moe_perf.logs import RunShape
 from moe_perf.logs.progress import shown
@@ -113,15 +114,6 @@ def note_imports(cfg: DictConfig, job: Job, sweep: Sweep, label: str, worktree: 
     extra["imports"] = verify_imports.probe(cfg, worktree, full)
     for warning in verify_imports.warnings(extra["imports"]):
         say(f"{label}: warning: {warning}", sys.stderr)
-
-
-def preloaded(cfg: DictConfig, launcher: Any, trainer_argv: list[str]) -> bool:
-    """Whether the arm runs forked from the sweep's preloaded interpreter (launcher.preload):
-    a one-process arm whose command is `-m module` or a script, with no interpreter option."""
-    if not cfg.launcher.get("preload", False) or not launcher.one_process(cfg):
-        return False
-    first = str(trainer_argv[0]) if trainer_argv else "-"
-    return first == "-m" or not first.startswith("-")
 
 
 def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, label: str,

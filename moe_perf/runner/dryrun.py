@@ -19,6 +19,7 @@ from typing import Any
 from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.command import arm_values, fill_env
+from moe_perf.launchers.preload import preloaded
 from moe_perf.launchers.process import LAUNCH_TOKEN_ENV, trainer_env
 from moe_perf.report.sweep import Sweep
 from moe_perf.runner import build, build_cache, git
@@ -77,6 +78,7 @@ def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
         "env": env,
         "log_format": trainer.log_format,
         "build": build_argv,
+        "preload": preloaded(cfg, launcher, trainer.argv),
     }
     say(f"{label}: dry run, nothing launched ({cfg.model.name} {cfg.tag})")
     say(f"{label}: cwd {plan['cwd']}")
@@ -86,6 +88,10 @@ def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
             f"then reused; log {job.arm_dir / build.BUILD_LOG}; "
             f"{build_cache_words(cfg)}): {shlex.join(build_argv)}")  # fmt: skip
     say(f"{label}: command {shlex.join(argv)}")
+    if plan["preload"]:
+        modules = ", ".join(map(str, cfg.launcher.preload_modules))
+        say(f"{label}: launcher.preload: run as a fork of the sweep's interpreter that imported "
+            f"{modules} once, or as this command where it cannot serve the arm")  # fmt: skip
     say(f"{label}: {config_path} is written when the sweep runs; a dry run writes nothing "
         f"(`--cfg job --resolve` shows the composed config)")  # fmt: skip
     say(f"{label}: the trainer's lines are read as {trainer.log_format}")
