@@ -10,7 +10,9 @@
 #   4. the reference trainer's step (bench_trainer.py): bf16, fp8, fp8 with
 #      trainer.fp8_master_weights, in the order bf16 fp8 fp8mw fp8mw fp8 bf16 (fp8 where torchao
 #      and an fp8-capable GPU are there, else said in "Not run");
-#   5. if time is left (BUDGET_S): the SWITCH A/B on cold arms (compile caches
+#   5. launcher.preload on sweeps of two A/A pairs (four arms each), off, on, on, off: the first
+#      and the warm arms of a sweep, and the sweep's wall;
+#   6. if time is left (BUDGET_S): the SWITCH A/B on cold arms (compile caches
 #      empty, bytecode kept), then torchtitan's A/A sweep (bench_frameworks.sh) when TITAN_TREE
 #      names a torchtitan 0.2.2 tree.
 # Shapes: 4-layer qwen3-30b-a3b, seq 2048, global batch 32, micro-batch 8, compiled, 10 steps.
@@ -23,7 +25,7 @@
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
 # tiny model's CPU shapes (the plumbing, not figures). Environment: SWITCH, PARTS (the parts
-# after 1 to run, default "2 3 4 5"), PYTHON (python3), BUDGET_S
+# after 1 to run, default "2 3 4 5 6"), PYTHON (python3), BUDGET_S
 # (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
 # (recorded when the tree has no git history).
 set -uo pipefail
@@ -39,7 +41,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-480}
 SWITCH=${SWITCH:-trainer.early_cuda_context}
-PARTS=${PARTS:-2 3 4 5}  # part 1 always runs: its arms fill the compile cache the others load
+PARTS=${PARTS:-2 3 4 5 6}  # part 1 always runs: its arms fill the compile cache the others load
 DRY=false
 [[ $MODE == --dry-run ]] && DRY=true
 if ! $DRY && [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
@@ -54,11 +56,12 @@ if [[ $MODE == --smoke ]]; then
            --set trainer.compile=false --set training.device=cpu --set timeout_s=300)
   TRAINER=(--model tiny --layers 2 --seq 64 --global-batch 4 --micro-batch 2 --steps 3 --eager
            --device cpu --launcher python)
-  FIRST_RUNS=2 WARM_ORDER=(off on) STEP_ORDER=(bf16) STEP_TIMEOUT=300
+  FIRST_RUNS=2 WARM_ORDER=(off on) STEP_ORDER=(bf16) PRELOAD_ORDER=(off on) STEP_TIMEOUT=300
 else
   STARTUP=(--set training.micro_batch=8 --set training.max_steps=10 --set timeout_s=240)
   TRAINER=(--layers 4 --seq 2048 --global-batch 32 --micro-batch 8 --steps 10)
   FIRST_RUNS=3 WARM_ORDER=(off on on off) STEP_ORDER=(bf16 fp8 fp8mw fp8mw fp8 bf16)
+  PRELOAD_ORDER=(off on on off)
   STEP_TIMEOUT=300
 fi
 # one warm arm attributed: every thread's stack every 5 ms, the trainer's imports timed
@@ -204,8 +207,17 @@ for variant in "${STEP_ORDER[@]}"; do
   step_variant "$variant"
 done
 
-echo "== 5. if time is left: $SWITCH on cold arms; torchtitan"
-if [[ $MODE != --smoke ]] && want 5; then
+echo "== 5. launcher.preload on sweeps of two A/A pairs: ${PRELOAD_ORDER[*]}"
+want 5 && for switch in "${PRELOAD_ORDER[@]}"; do
+  next_label "sweep-$switch"
+  value=false
+  [[ $switch == on ]] && value=true
+  run "$LABEL" "$PY" "$HERE/bench/bench_startup.py" "$WORK/preload/$switch-${LABEL##*-}" --runs 1 \
+    --pairs 2 "${STARTUP[@]}" --cache "$CACHE" --warm --set "launcher.preload=$value"
+done
+
+echo "== 6. if time is left: $SWITCH on cold arms; torchtitan"
+if [[ $MODE != --smoke ]] && want 6; then
   for switch in off on; do
     fits 45 "cold arm, $SWITCH $switch" || break
     value=false

@@ -6,9 +6,10 @@ WORK is the script's work directory: meta.json (commit, card, software, command,
 under A/B), startup/ (bench_startup.py: the machine's first arm, then warm ones),
 warmup/<variant><i>/ and cold/ (the switch off and on, one arm each), breakdown/run1 (one warm
 arm with sampled stacks and import times), trainer/<variant>-<i>/ (bench_trainer.py: bf16,
-fp8, fp8 over master weights), titan/bench.txt (torchtitan, when it ran) and skipped.txt (what
-did not run, and why). Writes OUT/summary.md, OUT/figures.json and OUT/breakdown.txt; parts
-that did not run are left out and skipped.txt says why. It reports medians, ranges and
+fp8, fp8 over master weights), preload/<off|on>-<i>/ (bench_startup.py --pairs 2: one sweep
+of four arms with launcher.preload off or on), titan/bench.txt (torchtitan, when it ran) and
+skipped.txt (what did not run, and why). Writes OUT/summary.md, OUT/figures.json and
+OUT/breakdown.txt; parts that did not run are left out and skipped.txt says why. It reports medians, ranges and
 differences; it decides nothing (a switch's default changes on the project's verdict, not here).
 """
 
@@ -52,12 +53,25 @@ def arm(run: dict, arm_dir: Path) -> dict:
         "losses": [s["loss"] for s in record.get("steps", [])],
         "attention_warm_up": startup.get("attention_warm_up"),
         "early_cuda_context": startup.get("early_cuda_context"),
+        "preloaded": (record.get("preload") or {}).get("preloaded"),
     }
 
 
 def startup_arms(bench_dir: Path) -> list[dict]:
     runs = (read_json(bench_dir / "startup.json") or {}).get("runs", [])
     return [arm(run, bench_dir / f"run{i}") for i, run in enumerate(runs, 1)]
+
+
+def sweep_arms(bench_dir: Path) -> list[dict]:
+    """The arms of one bench_startup.py --pairs sweep, in the order they ran (`position` 1 is
+    the sweep's first arm), each with the sweep's command wall."""
+    runs = (read_json(bench_dir / "startup.json") or {}).get("runs", [])
+    arms = []
+    for position, run in enumerate(runs[0] if runs else [], 1):
+        found = sorted((bench_dir / "run1").glob(f"*/*-{'-'.join(run['arm'])}"))
+        if found:
+            arms.append({**arm(run, found[0]), "position": position})
+    return arms
 
 
 def variants(parent: Path, read) -> dict[str, list[dict]]:
@@ -108,6 +122,21 @@ def ab(off: list[dict], on: list[dict], keys: tuple[str, ...]) -> dict:
     return result
 
 
+def preload_compare(off: list[dict], on: list[dict]) -> dict:
+    """launcher.preload off against on: the sweeps' first arms, their later (warm) arms, and
+    the sweeps' command walls."""
+    first = [[a for a in side if a["position"] == 1] for side in (off, on)]
+    later = [[a for a in side if a["position"] > 1] for side in (off, on)]
+    keys = ("arm_s", "step1_s", "not_measured_s")
+    walls = [[{"command_s": a["command_s"], "losses": []} for a in side if a["position"] == 1]
+             for side in (off, on)]  # fmt: skip
+    return {"first": ab(*first, keys), "warm": ab(*later, keys),
+            "sweep": ab(*walls, ("command_s",)),
+            "served": {"off": sum(bool(a["preloaded"]) for a in off),
+                       "on": sum(bool(a["preloaded"]) for a in on),
+                       "arms_on": len(on)}}  # fmt: skip
+
+
 def max_loss_diff(a: list[dict], b: list[dict]) -> float | None:
     pairs = [(x, y) for x in a for y in b if x is not y and x["losses"] and y["losses"]]
     diffs = [abs(p - q) for x, y in pairs for p, q in zip(x["losses"], y["losses"], strict=False)]
@@ -125,6 +154,9 @@ def figures(work: Path) -> dict:
     if cold.get("off") and cold.get("on"):
         fig["switch_cold_ab"] = {**cold, "compare": ab(cold["off"], cold["on"],
                                                                ("arm_s", "step1_s"))}  # fmt: skip
+    preload = variants(work / "preload", sweep_arms)
+    if preload.get("off") and preload.get("on"):
+        fig["preload_ab"] = {**preload, **preload_compare(preload["off"], preload["on"])}
     steps = variants(work / "trainer", trainer_run)
     fig["trainer"] = steps
     if steps.get("fp8") and steps.get("fp8mw"):
@@ -187,6 +219,10 @@ def goals(fig: dict) -> list[str]:
         rest = ", ".join(f"{a['not_measured_s']:.1f} s" for a in arms[1:])
         lines.append(f"- warm arms: {walls} (goal under {WARM_ARM_GOAL_S:g} s); not "
                      f"measurement: {rest}")  # fmt: skip
+    if "preload_ab" in fig and "arm_s" in fig["preload_ab"]["warm"]:
+        warm = fig["preload_ab"]["warm"]["arm_s"]["on"]
+        lines.append(f"- warm arms with launcher.preload: {side(warm, ' s')} (goal under "
+                     f"{WARM_ARM_GOAL_S:g} s)")  # fmt: skip
     steps = fig["trainer"]
     for fp8 in ("fp8", "fp8mw"):
         if steps.get("bf16") and steps.get(fp8):
@@ -222,7 +258,22 @@ def page_head(fig: dict) -> list[str]:
         if key in fig:
             out += ["", *ab_lines(title, fig[key]["compare"], {"arm_s": " s", "step1_s": " s"})]
             out += helpers_lines(fig[key]["on"])
+    if "preload_ab" in fig:
+        out += ["", *preload_lines(fig["preload_ab"])]
     return out
+
+
+def preload_lines(pre: dict) -> list[str]:
+    units = {"arm_s": " s", "step1_s": " s", "not_measured_s": " s", "command_s": " s"}
+    served = pre["served"]
+    return [
+        "## launcher.preload on sweeps of two A/A pairs (off, on, ...)", "",
+        *ab_lines("the sweep's first arm", pre["first"], units), "",
+        *ab_lines("the sweep's later arms", pre["warm"], units), "",
+        *ab_lines("the sweep (the command's wall)", pre["sweep"], units)[:-1],
+        f"- arms forked from the preloaded interpreter: {served['on']} of {served['arms_on']} "
+        f"with it on, {served['off']} with it off",
+    ]  # fmt: skip
 
 
 def helpers_lines(arms: list[dict]) -> list[str]:

@@ -75,10 +75,11 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
     warm = ["warmup-off-1", "warmup-on-1", "warmup-on-2", "warmup-off-2"]
     steps = ["step-bf16-1", "step-fp8-1", "step-fp8mw-1", "step-fp8mw-2", "step-fp8-2",
              "step-bf16-2"]  # fmt: skip
-    assert list(plan) == ["startup", *warm, "breakdown", *steps, "cold-off", "cold-on"]
+    sweeps = ["sweep-off-1", "sweep-on-1", "sweep-on-2", "sweep-off-2"]
+    assert list(plan) == ["startup", *warm, "breakdown", *steps, *sweeps, "cold-off", "cold-on"]
     assert "not run: torchtitan" in result.stdout
 
-    for label in ["startup", *warm, "breakdown", "cold-off", "cold-on"]:
+    for label in ["startup", *warm, "breakdown", *sweeps, "cold-off", "cold-on"]:
         argv = plan[label]
         assert argv[1].endswith("bench/bench_startup.py")
         sets = dict(item.partition("=")[::2] for item in values_after(argv, "--set"))
@@ -90,6 +91,10 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
     switch = {label: dict(v.partition("=")[::2] for v in values_after(plan[label], "--set"))
               .get("trainer.early_cuda_context") for label in warm}  # fmt: skip
     assert list(switch.values()) == ["false", "true", "true", "false"]
+    preload = {label: dict(v.partition("=")[::2] for v in values_after(plan[label], "--set"))
+               .get("launcher.preload") for label in sweeps}  # fmt: skip
+    assert list(preload.values()) == ["false", "true", "true", "false"]
+    assert all(values_after(plan[label], "--pairs") == ["2"] for label in sweeps)
 
     for label in steps:
         argv = plan[label]
@@ -118,6 +123,11 @@ def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
     assert ab["off"][0]["attention_warm_up"] is None
     assert ab["compare"]["loss_diff"]["across"] == 0.0  # the switch leaves the numerics
     assert fig["trainer"]["bf16"][0]["tokens_per_s"] > 0
+    pre = fig["preload_ab"]  # one sweep of four arms each way, every arm forked with it on
+    assert [len(pre["off"]), len(pre["on"])] == [4, 4]
+    assert pre["served"] == {"off": 0, "on": 4, "arms_on": 4}
+    assert pre["warm"]["loss_diff"]["across"] == 0.0
+    assert pre["warm"]["arm_s"]["on"]["max"] < pre["warm"]["arm_s"]["off"]["min"]
     page = (out / "summary.md").read_text()
     assert "## Arms (bench_startup.py)" in page and "trainer.warm_attention" in page
     assert "sampled stacks, step 1" in (out / "breakdown.txt").read_text()
