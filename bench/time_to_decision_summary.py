@@ -9,8 +9,9 @@ arm with sampled stacks and import times), trainer/<variant>-<i>/ (bench_trainer
 fp8, fp8 over master weights), preload/<off|on>-<i>/ (bench_startup.py --pairs 2: one sweep
 of four arms with launcher.preload off or on), titan/bench.txt (torchtitan, when it ran) and
 skipped.txt (what did not run, and why). Writes OUT/summary.md, OUT/figures.json and
-OUT/breakdown.txt; parts that did not run are left out and skipped.txt says why. It reports medians, ranges and
-differences; it decides nothing (a switch's default changes on the project's verdict, not here).
+OUT/breakdown.txt; parts that did not run are left out and skipped.txt says why. It reports
+medians, ranges and differences; it decides nothing (a switch's default changes on the
+project's verdict, not here).
 """
 
 from __future__ import annotations
