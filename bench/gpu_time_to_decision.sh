@@ -25,7 +25,8 @@
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
 # tiny model's CPU shapes (the plumbing, not figures). Environment: SWITCH, PARTS (the parts
-# after 1 to run, default "2 3 4 5 6"), PYTHON (python3), BUDGET_S
+# after 1 to run, default "2 3 4 5 6"), PRELOAD_ORDER (part 5's sweeps, default "off on on off"),
+# PYTHON (python3), BUDGET_S
 # (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
 # (recorded when the tree has no git history).
 set -uo pipefail
@@ -61,7 +62,7 @@ else
   STARTUP=(--set training.micro_batch=8 --set training.max_steps=10 --set timeout_s=240)
   TRAINER=(--layers 4 --seq 2048 --global-batch 32 --micro-batch 8 --steps 10)
   FIRST_RUNS=3 WARM_ORDER=(off on on off) STEP_ORDER=(bf16 fp8 fp8mw fp8mw fp8 bf16)
-  PRELOAD_ORDER=(off on on off)
+  read -ra PRELOAD_ORDER <<<"${PRELOAD_ORDER:-off on on off}"
   STEP_TIMEOUT=300
 fi
 # one warm arm attributed: every thread's stack every 5 ms, the trainer's imports timed
