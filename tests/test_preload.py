@@ -273,3 +273,22 @@ def test_the_dry_run_says_which_arms_would_be_forked(tmp_path):
                           "arm=feat", *overrides)  # fmt: skip
         assert_ok(result)
         assert (said in result.stdout) is forked, overrides
+
+
+def test_an_interrupted_sweep_leaves_no_server_launch_or_child(tmp_path):
+    repo = make_ab_repo(tmp_path / "repo", feat=trainer_files(sleep_s=1.0))
+    args = [arg for arg in SMALL_RUN if not arg.startswith("training.max_steps")]
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "moe_perf", *args, "training.max_steps=60", "launcher.preload=true",
+         "launcher.preload_modules=[numpy]", "launcher.kill_grace_s=2", "-m", "arm=feat,base"],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    for line in runner.stdout:
+        if "[feat] step 2/60" in line:
+            break
+    info = read_info(sweep_dir(repo) / "tiny" / f"{TAG}-feat")
+    assert info["preloaded"] and alive(info["pid"]) and alive(info["server_pid"])
+    runner.send_signal(signal.SIGINT)
+    output = runner.communicate(timeout=60)[0]
+    assert runner.returncode != 0 and "interrupted" in output
+    assert gone_within(info["pid"], 10) and gone_within(info["server_pid"], 10)
