@@ -38,6 +38,7 @@ import threading
 import time
 import traceback
 
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 MAX_MESSAGE = 1 << 20  # an arm's argv and environment
 READY_TIMEOUT_S = 300.0  # how long an arm waits for the server's imports
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -81,8 +82,18 @@ class Server:
         # a fresh `python -m X` has its cwd first, the runner's PYTHONPATH next, then the rest
         self.own_pythonpath = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         t0 = time.perf_counter()
-        for name in modules:
-            importlib.import_module(name)
+        # torch.cuda.is_available() asks the driver for its device count, which poisons every
+        # later fork for CUDA (inductor's import asks); through NVML it does not
+        own_check = os.environ.get(NVML_CHECK)
+        os.environ[NVML_CHECK] = "1"
+        try:
+            for name in modules:
+                importlib.import_module(name)
+        finally:
+            if own_check is None:
+                del os.environ[NVML_CHECK]
+            else:
+                os.environ[NVML_CHECK] = own_check
         self.import_s = round(time.perf_counter() - t0, 3)
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
