@@ -292,3 +292,22 @@ def test_an_interrupted_sweep_leaves_no_server_launch_or_child(tmp_path):
     output = runner.communicate(timeout=60)[0]
     assert runner.returncode != 0 and "interrupted" in output
     assert gone_within(info["pid"], 10) and gone_within(info["server_pid"], 10)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "forked"),
+    [
+        (["training.device=cuda"], True),  # unset: the reference trainer on a GPU
+        (["training.device=cpu"], False),
+        (["training.device=cuda", "trainer=torchtitan"], False),  # not measured there
+        (["training.device=cuda", "launcher.preload=false"], False),
+        (["training.device=cpu", "launcher.preload=true"], True),
+        (["training.device=cuda", "trainer=torchtitan", "launcher.preload=true"], True),
+    ],
+)
+def test_unset_preload_forks_the_reference_trainers_gpu_arms(overrides, forked):
+    from helpers.compose import composed
+
+    from moe_perf.launchers.preload import wanted
+
+    assert wanted(composed(*overrides)) is forked

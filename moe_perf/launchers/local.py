@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.launchers.base import LauncherSchema, free_port, one_process_env, torchrun_argv
@@ -27,8 +27,9 @@ PRELOAD_MODULES = ["torch", "torch._dynamo", "torch._inductor.compile_fx"]
 class LocalLauncherSchema(LauncherSchema):
     name: str = "local"
     # one-process arms forked from an interpreter that imported preload_modules once per sweep
-    # (launchers/preload.py); off by default until a GPU measurement shows the gain
-    preload: bool = False
+    # (launchers/preload.py); None: the reference trainer's arms on a GPU, where its gain was
+    # measured (docs/benchmarks/preload-h100-2026-12.md)
+    preload: Optional[bool] = None  # noqa: UP045 (OmegaConf's schemas take Optional only)
     preload_modules: list[str] = field(default_factory=lambda: list(PRELOAD_MODULES))
 
 
