@@ -300,6 +300,7 @@ def test_an_interrupted_sweep_leaves_no_server_launch_or_child(tmp_path):
         (["training.device=cuda"], True),  # unset: the reference trainer on a GPU
         (["training.device=cpu"], False),
         (["training.device=cuda", "trainer=torchtitan"], False),  # not measured there
+        (["training.device=cuda", "launcher=slurm"], False),  # srun runs the arm elsewhere
         (["training.device=cuda", "launcher.preload=false"], False),
         (["training.device=cpu", "launcher.preload=true"], True),
         (["training.device=cuda", "trainer=torchtitan", "launcher.preload=true"], True),

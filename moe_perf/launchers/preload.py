@@ -125,6 +125,8 @@ def wanted(cfg: Any) -> bool:
     """launcher.preload, or where it is unset (null), whether the arms are the reference
     trainer's on a GPU: where the gain was measured (an H100: warm arms 11.7-12.8 s -> 8.0-8.6
     s). A GPU is there when training.device is cuda, or auto with an NVIDIA device node."""
+    if str(cfg.launcher.name) != "local":  # the arm runs where this process is not
+        return False
     setting = cfg.launcher.get("preload")
     if setting is not None:
         return bool(setting)
