@@ -312,3 +312,7 @@ def test_unset_preload_forks_the_reference_trainers_gpu_arms(overrides, forked):
     from moe_perf.launchers.preload import wanted
 
     assert wanted(composed(*overrides)) is forked
+    # a sweep of one arm has nothing to share the server with: only when asked
+    assert wanted(composed(*overrides), several_arms=False) is (
+        "launcher.preload=true" in overrides
+    )

@@ -27,8 +27,8 @@ PRELOAD_MODULES = ["torch", "torch._dynamo", "torch._inductor.compile_fx"]
 class LocalLauncherSchema(LauncherSchema):
     name: str = "local"
     # one-process arms forked from an interpreter that imported preload_modules once per sweep
-    # (launchers/preload.py); None: the reference trainer's arms on a GPU, where its gain was
-    # measured (docs/benchmarks/preload-h100-2026-12.md)
+    # (launchers/preload.py); None: a sweep of several reference-trainer arms on a GPU, where
+    # its gain was measured (docs/benchmarks/preload-h100-2026-12.md)
     preload: Optional[bool] = None  # noqa: UP045 (OmegaConf's schemas take Optional only)
     preload_modules: list[str] = field(default_factory=lambda: list(PRELOAD_MODULES))
 

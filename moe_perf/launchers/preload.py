@@ -121,25 +121,26 @@ class Preloader:
             self.server = None
 
 
-def wanted(cfg: Any) -> bool:
-    """launcher.preload, or where it is unset (null), whether the arms are the reference
-    trainer's on a GPU: where the gain was measured (an H100: warm arms 11.7-12.8 s -> 8.0-8.6
-    s). A GPU is there when training.device is cuda, or auto with an NVIDIA device node."""
+def wanted(cfg: Any, several_arms: bool = True) -> bool:
+    """launcher.preload, or where it is unset (null), whether the sweep runs several arms of the
+    reference trainer on a GPU: where the gain was measured (an H100: warm arms 11.7-12.8 s ->
+    8.0-8.6 s); a sweep of one arm only waits for the server. A GPU is there when
+    training.device is cuda, or auto with an NVIDIA device node."""
     if str(cfg.launcher.name) != "local":  # the arm runs where this process is not
         return False
     setting = cfg.launcher.get("preload")
     if setting is not None:
         return bool(setting)
-    if str(cfg.trainer.get("name")) != "reference":
+    if str(cfg.trainer.get("name")) != "reference" or not several_arms:
         return False
     device = str(cfg.training.device)
     return device == "cuda" or (device == "auto" and bool(glob.glob("/dev/nvidia[0-9]*")))
 
 
-def preloaded(cfg: Any, launcher: Any, trainer_argv: Sequence[str]) -> bool:
+def preloaded(cfg: Any, launcher: Any, trainer_argv: Sequence[str], several_arms: bool) -> bool:
     """Whether the arm runs forked from the sweep's preloaded interpreter (launcher.preload):
     a one-process arm whose command is `-m module` or a script, with no interpreter option."""
-    if not wanted(cfg) or not launcher.one_process(cfg):
+    if not wanted(cfg, several_arms) or not launcher.one_process(cfg):
         return False
     first = str(trainer_argv[0]) if trainer_argv else "-"
     return first == "-m" or not first.startswith("-")
@@ -151,3 +152,8 @@ def read_info(arm_dir: Path) -> dict | None:
         return json.loads((arm_dir / INFO_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def several_arms(multirun: bool, total: int | None) -> bool:
+    """Whether a job belongs to a sweep of more than one arm (total None: not known yet)."""
+    return multirun and (total is None or total > 1)

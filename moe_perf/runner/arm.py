@@ -25,7 +25,7 @@ from moe_perf.common.errors import REFUSED, PrerequisiteError
 from moe_perf.common.explain import explain_steps
 from moe_perf.frameworks.command import arm_values, fill_env
 from moe_perf.launchers import preload
-from moe_perf.launchers.preload import preloaded
+from moe_perf.launchers.preload import preloaded, several_arms
 from moe_perf.launchers.process import LaunchResult, run_trainer, trainer_env
 from moe_perf.logs import RunShape
 from moe_perf.logs.progress import shown
@@ -130,7 +130,7 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, l
     # every trainer's processes get torch.compile's caches and the bytecode directory
     # (compile_cache.py) under the adapter's environment, the user's trainer.env winning
     env = compile_cache.under(cfg, worktree, fill_env(trainer.env, cfg, values))
-    preload = preloaded(cfg, launcher, trainer.argv)
+    preload = preloaded(cfg, launcher, trainer.argv, several_arms(job.multirun, job.total))
     if preload:  # the server imports while the arm is prepared (its build, its imports noted)
         whole = trainer_env(worktree, job.arm_dir, "", {**threads.env, **launcher.env(cfg), **env},
                             Path(sweep.repo))  # fmt: skip
