@@ -165,9 +165,15 @@ def test_a_killed_launch_takes_its_child_with_it(preloader, probe_dir, tmp_path)
     launch_proc = subprocess.Popen(argv, cwd=probe_dir, env=env, stdout=subprocess.PIPE, text=True)
     assert launch_proc.stdout.readline() == "up\n"
     child = read_info(tmp_path)["pid"]
+    server = read_info(tmp_path)["server_pid"]
     launch_proc.kill()
     launch_proc.wait(10)
     assert gone_within(child, 10)  # the server saw its launch go
+    (probe_dir / "quick.py").write_text("print('ok')\n")
+    quick = preloader.argv([sys.executable, "quick.py"], env, tmp_path, None)
+    assert subprocess.run(quick, cwd=probe_dir, env=env, capture_output=True, text=True,
+                          timeout=30).stdout == "ok\n"  # fmt: skip
+    assert read_info(tmp_path)["server_pid"] == server  # the same server serves the next one
 
 
 def test_the_server_exits_with_its_runner(tmp_path):

@@ -41,6 +41,7 @@ import traceback
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 MAX_MESSAGE = 1 << 20  # an arm's argv and environment
 READY_TIMEOUT_S = 300.0  # how long an arm waits for the server's imports
+REQUEST_TIMEOUT_S = 30.0  # how long the server waits for a connected launch's request
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
 
@@ -116,9 +117,12 @@ class Server:
                 conn, _ = listener.accept()
             except TimeoutError:
                 continue
-            conn.settimeout(None)
+            conn.settimeout(REQUEST_TIMEOUT_S)  # a launch that connects and says nothing
             with conn:
-                self._serve_one(conn, listener)
+                try:
+                    self._serve_one(conn, listener)
+                except OSError:  # the launch went away mid-exchange; its child is gone too
+                    continue
 
     def _parent_alive(self) -> bool:
         return os.getppid() == self.parent
@@ -134,17 +138,21 @@ class Server:
             if why:
                 _send(conn, {"refused": why})
                 return
+            conn.settimeout(None)
             pid = os.fork()
             if pid == 0:
                 listener.close()
                 conn.close()
                 _run_child(request, fds, self.base_path)  # never returns
-            _send(conn, {"pid": pid, "server_pid": os.getpid(), "import_s": self.import_s,
-                         "modules": self.modules})  # fmt: skip
         finally:
             for fd in fds:
                 os.close(fd)
-        _send(conn, {"exit": self._wait(pid, conn)})
+        try:
+            _send(conn, {"pid": pid, "server_pid": os.getpid(), "import_s": self.import_s,
+                         "modules": self.modules})  # fmt: skip
+        finally:
+            code = self._wait(pid, conn)  # at once when the launch is already gone
+        _send(conn, {"exit": code})
 
     def _cannot_serve(self, request: dict) -> str | None:
         """Why a fresh `python ARGV` with this environment would not import what this process
