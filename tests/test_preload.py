@@ -7,7 +7,6 @@ worktree's code, and leave no process behind, however it ends.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from helpers.command import SMALL_RUN, assert_ok, moe_perf, sweep_dir
 from helpers.repos import commit, copy_of_moe_perf, git, make_ab_repo, trainer_files
 
 from moe_perf.launchers.preload import FORKSERVER, Preloader, read_info
+from moe_perf.launchers.process import trainer_env
 
 TAG = "pp1-dp1-cp1-ep1-seq64-fp32"
 # what a probe prints of itself: the same through the server as from a fresh interpreter
@@ -74,13 +74,21 @@ def preloader():
     server.stop()
 
 
+def through(preloader: Preloader | None, argv: list[str], cwd: Path, arm_dir: Path,
+            added: dict[str, str]) -> tuple[list[str], dict[str, str]]:  # fmt: skip
+    """The launch's command and whole environment as the runner makes them (`added`: what the
+    launch adds to the environment; `cwd` stands for the worktree)."""
+    command = [sys.executable, *argv]
+    if preloader is not None:
+        command = preloader.argv(command, cwd, arm_dir, added, None)
+    return command, trainer_env(cwd, arm_dir, "", added)
+
+
 def launch(preloader: Preloader | None, argv: list[str], cwd: Path, info: Path,
            **env: str) -> subprocess.CompletedProcess:  # fmt: skip
     extra = str(cwd.parent / "extra")
-    whole = {**os.environ, "PROBE_EXTRA": extra, "PYTHONPATH": extra, **env}
-    command = [sys.executable, *argv]
-    if preloader is not None:
-        command = preloader.argv(command, whole, info.parent, None)
+    added = {"PROBE_EXTRA": extra, "PYTHONPATH": extra, **env}
+    command, whole = through(preloader, argv, cwd, info.parent, added)
     return subprocess.run(command, cwd=cwd, env=whole, input="from stdin", capture_output=True,
                           text=True, timeout=60, check=False)  # fmt: skip
 
@@ -145,8 +153,7 @@ def test_a_server_that_cannot_import_leaves_the_arm_to_run_plain(probe_dir, tmp_
 
 def test_sigterm_to_the_launch_ends_the_child_the_same_way(preloader, probe_dir, tmp_path):
     (probe_dir / "sleeper.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(60)\n")
-    env = {**os.environ, "PROBE_EXTRA": "", "PYTHONPATH": ""}
-    argv = preloader.argv([sys.executable, "sleeper.py"], env, tmp_path, None)
+    argv, env = through(preloader, ["sleeper.py"], probe_dir, tmp_path, {})
     launch_proc = subprocess.Popen(argv, cwd=probe_dir, env=env, stdout=subprocess.PIPE, text=True)
     assert launch_proc.stdout.readline() == "up\n"
     child = read_info(tmp_path)["pid"]
@@ -160,8 +167,7 @@ def test_a_killed_launch_takes_its_child_with_it(preloader, probe_dir, tmp_path)
         "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "print('up', flush=True)\ntime.sleep(60)\n"
     )
-    env = {**os.environ, "PROBE_EXTRA": "", "PYTHONPATH": ""}
-    argv = preloader.argv([sys.executable, "stubborn.py"], env, tmp_path, None)
+    argv, env = through(preloader, ["stubborn.py"], probe_dir, tmp_path, {})
     launch_proc = subprocess.Popen(argv, cwd=probe_dir, env=env, stdout=subprocess.PIPE, text=True)
     assert launch_proc.stdout.readline() == "up\n"
     child = read_info(tmp_path)["pid"]
@@ -170,7 +176,7 @@ def test_a_killed_launch_takes_its_child_with_it(preloader, probe_dir, tmp_path)
     launch_proc.wait(10)
     assert gone_within(child, 10)  # the server saw its launch go
     (probe_dir / "quick.py").write_text("print('ok')\n")
-    quick = preloader.argv([sys.executable, "quick.py"], env, tmp_path, None)
+    quick, env = through(preloader, ["quick.py"], probe_dir, tmp_path, {})
     assert subprocess.run(quick, cwd=probe_dir, env=env, capture_output=True, text=True,
                           timeout=30).stdout == "ok\n"  # fmt: skip
     assert read_info(tmp_path)["server_pid"] == server  # the same server serves the next one
@@ -179,9 +185,9 @@ def test_a_killed_launch_takes_its_child_with_it(preloader, probe_dir, tmp_path)
 def test_the_server_exits_with_its_runner(tmp_path):
     """A runner killed outright (SIGKILL) leaves no server running."""
     runner = subprocess.Popen(
-        [sys.executable, "-c", "import os, time\n"
+        [sys.executable, "-c", "import time\nfrom pathlib import Path\n"
          "from moe_perf.launchers.preload import Preloader\n"
-         "p = Preloader(('json',)); p.warm(dict(os.environ), None)\n"
+         "p = Preloader(('json',)); p.warm(Path('.'), Path('.'), {}, None)\n"
          "print(p.server.proc.pid, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

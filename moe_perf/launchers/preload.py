@@ -28,11 +28,12 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
+from moe_perf.launchers.process import trainer_env
 
 FORKSERVER = Path(__file__).with_name("forkserver.py")
 INFO_FILE = "preload.json"
@@ -74,21 +75,22 @@ class Preloader:
 
     modules: tuple[str, ...]
     server: _Server | None = None
-    started: list[int] = field(default_factory=list)  # pids of every server started
 
-    def warm(self, env: dict[str, str], repo: Path | None) -> None:
-        """The server for `env` started now, if it is not running, so that it imports while
-        the runner prepares the arm."""
-        if self.server is not None and (not self.server.alive() or self.server.key != _key(env)):
+    def warm(self, worktree: Path, arm_dir: Path, env: dict[str, str], repo: Path | None) -> None:
+        """The server for the arm's environment (`trainer_env` of `env`, what the launch adds)
+        started now, if it is not running, so that it imports while the runner prepares the
+        arm."""
+        whole = trainer_env(worktree, arm_dir, "", env, repo)
+        if self.server is not None and (not self.server.alive() or self.server.key != _key(whole)):
             self.stop()
         if self.server is None:
-            self.server = self._start(env, repo)
+            self.server = self._start(whole, repo)
 
-    def argv(self, trainer_argv: list[str], env: dict[str, str], arm_dir: Path,
+    def argv(self, trainer_argv: list[str], worktree: Path, arm_dir: Path, env: dict[str, str],
              repo: Path | None) -> list[str]:  # fmt: skip
         """The arm's launch through the server: `python forkserver.py run ... -- ARGV`, where
-        `trainer_argv` is `python ARGV` and `env` the arm's whole environment."""
-        self.warm(env, repo)
+        `trainer_argv` is `python ARGV` and `env` what the launch adds to the environment."""
+        self.warm(worktree, arm_dir, env, repo)
         server = self.server
         return [sys.executable, str(FORKSERVER), "run", str(server.socket), str(server.proc.pid),
                 str(arm_dir / INFO_FILE), "--", *trainer_argv[1:]]  # fmt: skip
@@ -112,7 +114,6 @@ class Preloader:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # no Ctrl-C of the terminal; stopped as a group
             )  # fmt: skip
-        self.started.append(proc.pid)
         return _Server(proc, directory, _key(env))
 
     def stop(self) -> None:
@@ -137,9 +138,12 @@ def wanted(cfg: Any, several_arms: bool = True) -> bool:
     return device == "cuda" or (device == "auto" and bool(glob.glob("/dev/nvidia[0-9]*")))
 
 
-def preloaded(cfg: Any, launcher: Any, trainer_argv: Sequence[str], several_arms: bool) -> bool:
+def preloaded(cfg: Any, launcher: Any, trainer_argv: Sequence[str], multirun: bool,
+              total: int | None) -> bool:  # fmt: skip
     """Whether the arm runs forked from the sweep's preloaded interpreter (launcher.preload):
-    a one-process arm whose command is `-m module` or a script, with no interpreter option."""
+    a one-process arm whose command is `-m module` or a script, with no interpreter option.
+    `multirun`, `total`: the arm's job (total None: the sweep's size is not known yet)."""
+    several_arms = multirun and (total is None or total > 1)
     if not wanted(cfg, several_arms) or not launcher.one_process(cfg):
         return False
     first = str(trainer_argv[0]) if trainer_argv else "-"
@@ -152,8 +156,3 @@ def read_info(arm_dir: Path) -> dict | None:
         return json.loads((arm_dir / INFO_FILE).read_text())
     except (OSError, ValueError):
         return None
-
-
-def several_arms(multirun: bool, total: int | None) -> bool:
-    """Whether a job belongs to a sweep of more than one arm (total None: not known yet)."""
-    return multirun and (total is None or total > 1)

@@ -25,7 +25,6 @@ from moe_perf.common.errors import REFUSED, PrerequisiteError
 from moe_perf.common.explain import explain_steps
 from moe_perf.frameworks.command import arm_values, fill_env
 from moe_perf.launchers import preload
-from moe_perf.launchers.preload import preloaded, several_arms
 from moe_perf.launchers.process import LaunchResult, run_trainer, trainer_env
 from moe_perf.logs import RunShape
 from moe_perf.logs.progress import shown
@@ -130,11 +129,10 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, l
     # every trainer's processes get torch.compile's caches and the bytecode directory
     # (compile_cache.py) under the adapter's environment, the user's trainer.env winning
     env = compile_cache.under(cfg, worktree, fill_env(trainer.env, cfg, values))
-    preload = preloaded(cfg, launcher, trainer.argv, several_arms(job.multirun, job.total))
-    if preload:  # the server imports while the arm is prepared (its build, its imports noted)
-        whole = trainer_env(worktree, job.arm_dir, "", {**threads.env, **launcher.env(cfg), **env},
-                            Path(sweep.repo))  # fmt: skip
-        session.preloader(cfg).warm(whole, Path(sweep.repo))
+    forked = preload.preloaded(cfg, launcher, trainer.argv, job.multirun, job.total)
+    if forked:  # the server imports while the arm is prepared (its build, its imports noted)
+        added = {**threads.env, **launcher.env(cfg), **env}
+        session.preloader(cfg).warm(worktree, job.arm_dir, added, Path(sweep.repo))
     not_built = build_before_launch(cfg, job, sweep, label, worktree, env, extra)
     if not_built:
         (job.arm_dir / "console.log").write_text(f"not launched: {not_built}\n")
@@ -153,9 +151,8 @@ def launch_arm(cfg: DictConfig, job: Job, sweep: Sweep, session: SweepSession, l
     bytecode = compile_cache.bytecode_dir_of(env, worktree.parent)
     env = {**threads.env, **launcher.env(cfg), **env}
     argv = launcher.argv(cfg, job.arm_dir, trainer.argv)
-    if preload:
-        whole = trainer_env(worktree, job.arm_dir, "", env, Path(sweep.repo))
-        argv = session.preloader(cfg).argv(argv, whole, job.arm_dir, Path(sweep.repo))
+    if forked:
+        argv = session.preloader(cfg).argv(argv, worktree, job.arm_dir, env, Path(sweep.repo))
     with removed_after(bytecode), compile_cache.bytecode_compiled(env):
         return run_trainer(
             argv,

@@ -19,7 +19,7 @@ from typing import Any
 from moe_perf import frameworks, launchers
 from moe_perf.common.errors import PrerequisiteError
 from moe_perf.frameworks.command import arm_values, fill_env
-from moe_perf.launchers.preload import preloaded, several_arms
+from moe_perf.launchers.preload import preloaded
 from moe_perf.launchers.process import LAUNCH_TOKEN_ENV, trainer_env
 from moe_perf.report.sweep import Sweep
 from moe_perf.runner import build, build_cache, git
@@ -78,7 +78,7 @@ def preview_arm(cfg: Any, job: Job, sweep: Sweep, label: str) -> dict:
         "env": env,
         "log_format": trainer.log_format,
         "build": build_argv,
-        "preload": preloaded(cfg, launcher, trainer.argv, several_arms(job.multirun, job.total)),
+        "preload": preloaded(cfg, launcher, trainer.argv, job.multirun, job.total),
     }
     say(f"{label}: dry run, nothing launched ({cfg.model.name} {cfg.tag})")
     say(f"{label}: cwd {plan['cwd']}")
