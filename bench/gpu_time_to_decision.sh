@@ -14,18 +14,20 @@
 #      and the warm arms of a sweep, and the sweep's wall;
 #   6. if time is left (BUDGET_S): the SWITCH A/B on cold arms (compile caches
 #      empty, bytecode kept), then torchtitan's A/A sweep (bench_frameworks.sh) when TITAN_TREE
-#      names a torchtitan 0.2.2 tree.
+#      names a torchtitan 0.2.2 tree;
+#   7. if time is left: one cold arm (compile caches empty, bytecode kept) attributed as in 3:
+#      where the first arm's extra seconds go.
 # Shapes: 4-layer qwen3-30b-a3b, seq 2048, global batch 32, micro-batch 8, compiled, 10 steps.
 #
 #   bash bench/gpu_time_to_decision.sh OUT_DIR [--dry-run | --smoke]
 #
-# OUT_DIR (new or empty) gets summary.md, figures.json, breakdown.txt (bench/
+# OUT_DIR (new or empty) gets summary.md, figures.json, breakdown.txt and breakdown-cold.txt (bench/
 # time_to_decision_summary.py, rewritten after every part, so a run cut short keeps what it
 # measured), logs.tar.gz (every part's log and records) and run.log (this script's output).
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
 # tiny model's CPU shapes (the plumbing, not figures). Environment: SWITCH, PARTS (the parts
-# after 1 to run, default "2 3 4 5 6"), PRELOAD_ORDER (part 5's sweeps, default "off on on off"),
+# after 1 to run, default "2 3 4 5 6 7"), PRELOAD_ORDER (part 5's sweeps, default "off on on off"),
 # PYTHON (python3), BUDGET_S
 # (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
 # (recorded when the tree has no git history).
@@ -42,7 +44,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-480}
 SWITCH=${SWITCH:-trainer.early_cuda_context}
-PARTS=${PARTS:-2 3 4 5 6}  # part 1 always runs: its arms fill the compile cache the others load
+PARTS=${PARTS:-2 3 4 5 6 7}  # part 1 always runs: its arms fill the compile cache the others load
 DRY=false
 [[ $MODE == --dry-run ]] && DRY=true
 if ! $DRY && [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
@@ -233,6 +235,11 @@ if [[ $MODE != --smoke ]] && want 6; then
   else
     note "torchtitan: TITAN_TREE does not name a torchtitan tree"
   fi
+fi
+echo "== 7. if time is left: one cold arm attributed (bench/startup_breakdown.py)"
+if [[ $MODE != --smoke ]] && want 7 && fits 40 "cold arm attributed"; then
+  run breakdown-cold "$PY" "$HERE/bench/bench_startup.py" "$WORK/breakdown-cold" --runs 1 \
+    "${STARTUP[@]}" --cache "$WORK/cache-breakdown-cold" "${BREAKDOWN[@]}"
 fi
 publish
 $DRY || cat "$OUT/summary.md"

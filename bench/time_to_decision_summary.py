@@ -5,11 +5,12 @@
 WORK is the script's work directory: meta.json (commit, card, software, command, the switch
 under A/B), startup/ (bench_startup.py: the machine's first arm, then warm ones),
 warmup/<variant><i>/ and cold/ (the switch off and on, one arm each), breakdown/run1 (one warm
-arm with sampled stacks and import times), trainer/<variant>-<i>/ (bench_trainer.py: bf16,
+arm with sampled stacks and import times), breakdown-cold/run1 (the same, compile caches empty),
+trainer/<variant>-<i>/ (bench_trainer.py: bf16,
 fp8, fp8 over master weights), preload/<off|on>-<i>/ (bench_startup.py --pairs 2: one sweep
 of four arms with launcher.preload off or on), titan/bench.txt (torchtitan, when it ran) and
-skipped.txt (what did not run, and why). Writes OUT/summary.md, OUT/figures.json and
-OUT/breakdown.txt; parts that did not run are left out and skipped.txt says why. It reports
+skipped.txt (what did not run, and why). Writes OUT/summary.md, OUT/figures.json,
+OUT/breakdown.txt and OUT/breakdown-cold.txt; parts that did not run are left out and skipped.txt says why. It reports
 medians, ranges and differences; it decides nothing (a switch's default changes on the
 project's verdict, not here).
 """
@@ -249,7 +250,8 @@ def page_head(fig: dict) -> list[str]:
     n = len(fig["arms"])
     labels = ["the machine's first"] + [f"warm {i}" for i in range(2, n + 1)]
     out += ["", "## Arms (bench_startup.py)", "", *arms_table(fig["arms"], labels)]
-    out += ["", "Where a warm arm's seconds go: breakdown.txt (bench/startup_breakdown.py)."]
+    out += ["", "Where a warm arm's seconds go: breakdown.txt, and a cold arm's (part 7): "
+            "breakdown-cold.txt (bench/startup_breakdown.py)."]
     out += ["", "## The reference trainer's step (bench_trainer.py)", ""]
     out += trainer_table(fig["trainer"])
     switch = meta.get("switch", "trainer.warm_attention")  # runs before the switch was named
@@ -310,10 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "figures.json").write_text(json.dumps(fig, indent=1) + "\n")
     (args.out / "summary.md").write_text(page(fig))
-    arm_dir = args.work / "breakdown" / "run1"
-    if (arm_dir / "metrics.json").is_file():
-        with (args.out / "breakdown.txt").open("w") as f:
-            startup_breakdown.show(startup_breakdown.breakdown(arm_dir), out=f)
+    for name in ("breakdown", "breakdown-cold"):
+        arm_dir = args.work / name / "run1"
+        if (arm_dir / "metrics.json").is_file():
+            with (args.out / f"{name}.txt").open("w") as f:
+                startup_breakdown.show(startup_breakdown.breakdown(arm_dir), out=f)
     return 0
 
 
