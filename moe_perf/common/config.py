@@ -229,6 +229,11 @@ class TrainerConfig:
     # the CUDA context made in a thread while the trainer imports (trainer/early.py), instead
     # of after: off until a GPU measures a gain (bench/gpu_time_to_decision.sh)
     early_cuda_context: bool = False
+    # the objects of the trainer's imports moved out of the garbage collector's reach at its
+    # `main` (gc.freeze): its full collections no longer walk torch's modules, and an arm
+    # forked from a preloaded interpreter (launcher.preload) no longer copies their pages; off
+    # until a GPU measures a gain (bench/gpu_time_to_decision.sh)
+    gc_freeze: bool = False
 
     def __post_init__(self):
         self.activation_checkpointing = ac_mode(self.activation_checkpointing)

@@ -13,6 +13,7 @@ reductions are outside. tokens/s = global_batch * sequence_length / step time.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -246,15 +247,19 @@ def write_startup(
     timeline: Timeline,
     warm_up: AttentionWarmUp | None,
     early_context: early.EarlyContext | None = None,
+    gc_frozen: int | None = None,
 ) -> None:
     """Rank 0's start-up timeline (seconds since its process started at each mark: main,
-    process_group, model_on_meta, parallelized, step1_done, steps_done, finished) and its
+    process_group, model_on_meta, parallelized, step1_done, steps_done, finished, and its minor
+    page faults so far at each) and its
     compile-cache counters, where its compiles' time went (dynamo's phase clocks, the Triton
     kernels it compiled itself), for the runner's record; with trainer.warm_attention, what
     the warm-up took and how long the build waited for it; with trainer.early_cuda_context,
-    when the context's thread started, what it took and how long the build waited for it."""
+    when the context's thread started, what it took and how long the build waited for it;
+    with trainer.gc_freeze, how many objects it froze."""
     info = {
         "marks_s": timeline.marks,
+        "minor_faults": timeline.minor_faults,
         "compile_counters": compile_counters(),
         "compile_phases_s": compile_phases(),
         "triton_in_process": triton_compiles.summary(),
@@ -263,7 +268,20 @@ def write_startup(
         info["attention_warm_up"] = warm_up.summary()
     if early_context is not None:
         info["early_cuda_context"] = early_context.summary()
+    if gc_frozen is not None:
+        info["gc_frozen_objects"] = gc_frozen
     path.write_text(json.dumps(info) + "\n")
+
+
+def freeze_imports() -> int:
+    """Every object the garbage collector tracks now (those of the imports: torch's modules,
+    functions and classes, a million or more) moved to its permanent generation, which no
+    collection walks: step 1's trace allocates enough to run full collections, and each walked
+    them all. In a fork of a preloaded interpreter those walks also wrote to every inherited page
+    (gc's own counters), which the kernel then copied. No collection first: that would be one
+    such walk, and the imports leave little garbage. Returns how many objects it froze."""
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
@@ -273,6 +291,7 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
     before the build's first CUDA call."""
     timeline = Timeline()
     timeline.mark("main")
+    frozen = freeze_imports() if cfg.trainer.gc_freeze else None
     sampler = stacks.start(cfg.trainer.sample_stacks_ms, timeline.marks)
     if early_context is not None:
         early_context.join()
@@ -287,7 +306,7 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
         out_dir = profiling.output_dir(cfg.trainer, profile_dir)
         sampler.write(out_dir / f"stacks_rank{tr.rank}.txt")
     if startup_path is not None and tr.rank == 0:
-        write_startup(Path(startup_path), timeline, tr.attention_warm_up, early_context)
+        write_startup(Path(startup_path), timeline, tr.attention_warm_up, early_context, frozen)
 
 
 def steps(tr: Trainer, out, timeline: Timeline, profile_dir, explain_dir) -> None:
