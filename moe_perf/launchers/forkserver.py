@@ -26,7 +26,6 @@ way INFO_JSON records what happened.
 
 from __future__ import annotations
 
-import array
 import atexit
 import gc
 import importlib
@@ -44,8 +43,6 @@ NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 MAX_MESSAGE = 1 << 20  # an arm's argv and environment
 READY_TIMEOUT_S = 300.0  # how long an arm waits for the server's imports
 REQUEST_TIMEOUT_S = 30.0  # how long the server waits for a connected launch's request
-MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in for writing, in one call
-PAGE_PRESENT = 1 << 63  # /proc/self/pagemap: the page is in memory
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
 
@@ -205,55 +202,9 @@ def _leading_path(request: dict, base_path: list[str]) -> list[str]:
     return [d for d in [first, *extra] if d and d not in base_path]
 
 
-def _inherited_pages() -> list[tuple[int, int]]:
-    """The (start, length) runs of this process's private writable anonymous memory that are
-    in memory: in a fresh fork, the server's heap, shared with it until written."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    runs = []
-    with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb") as pagemap:
-        for line in maps:
-            fields = line.split()
-            name = fields[5] if len(fields) > 5 else ""
-            if not (fields[1].startswith("rw") and fields[1][3] == "p" and name in ("", "[heap]")):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            entries = array.array("Q", os.pread(pagemap.fileno(), (end - start) // page * 8,
-                                                start // page * 8))  # fmt: skip
-            first = None
-            for i, entry in enumerate([*entries, 0]):
-                if entry & PAGE_PRESENT and first is None:
-                    first = i
-                elif not entry & PAGE_PRESENT and first is not None:
-                    runs.append((start + first * page, (i - first) * page))
-                    first = None
-    return runs
-
-
-def _copy_inherited_pages() -> None:
-    """Each page of the server's heap copied into this child now, in a thread, instead of at
-    the child's first write to it. The writes come anyway (every object the arm touches has its
-    reference count written), and each would be a page fault of its own, on the main thread:
-    dynamo's trace in step 1 ran about 0.3 s slower in a fork than in a fresh process. One
-    madvise per run of pages does the copies in the kernel, beside the arm's imports. Where
-    the kernel lacks MADV_POPULATE_WRITE (before 5.14) or /proc is absent, nothing is done."""
-    import ctypes
-
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        for start, length in _inherited_pages():
-            if madvise(start, length, MADV_POPULATE_WRITE) != 0:
-                return
-    except (OSError, AttributeError):
-        return
-
-
 def _run_child(request: dict, fds: list[int], base_path: list[str]) -> None:
     """In the fork: become `python ARGV` with the arm's streams, environment and cwd."""
     code = 1
-    threading.Thread(
-        target=_copy_inherited_pages, name="moe_perf-preload-pages", daemon=True
-    ).start()
     try:
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
