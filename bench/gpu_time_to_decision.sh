@@ -30,7 +30,7 @@
 # after 1 to run, default "2 3 4 5 6 7"), PRELOAD_ORDER (part 5's sweeps, default "off on on off"),
 # PYTHON (python3), BUDGET_S
 # (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
-# (recorded when the tree has no git history).
+# (recorded instead of the tree's HEAD: a copied tree's .git may be stale).
 set -uo pipefail
 
 usage() {
@@ -134,7 +134,7 @@ arm() {  # DIR LABEL [bench_startup.py args]: one arm
 write_meta() {
   $DRY && return 0
   local commit card
-  commit=$(git -C "$HERE" rev-parse HEAD 2>/dev/null || echo "${COMMIT:-unknown}")
+  commit=${COMMIT:-$(git -C "$HERE" rev-parse HEAD 2>/dev/null || echo unknown)}
   card=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null |
     head -1)
   "$PY" - "$WORK/meta.json" "$commit" "${card:-no GPU}" "$MODE" "$BUDGET_S" "$SWITCH" "$*" <<'EOF'

@@ -10,9 +10,9 @@ trainer/<variant>-<i>/ (bench_trainer.py: bf16,
 fp8, fp8 over master weights), preload/<off|on>-<i>/ (bench_startup.py --pairs 2: one sweep
 of four arms with launcher.preload off or on), titan/bench.txt (torchtitan, when it ran) and
 skipped.txt (what did not run, and why). Writes OUT/summary.md, OUT/figures.json,
-OUT/breakdown.txt and OUT/breakdown-cold.txt; parts that did not run are left out and skipped.txt says why. It reports
-medians, ranges and differences; it decides nothing (a switch's default changes on the
-project's verdict, not here).
+OUT/breakdown.txt and OUT/breakdown-cold.txt; parts that did not run are left out and
+skipped.txt says why. It reports medians, ranges and differences; it decides nothing (a
+switch's default changes on the project's verdict, not here).
 """
 
 from __future__ import annotations
@@ -250,8 +250,11 @@ def page_head(fig: dict) -> list[str]:
     n = len(fig["arms"])
     labels = ["the machine's first"] + [f"warm {i}" for i in range(2, n + 1)]
     out += ["", "## Arms (bench_startup.py)", "", *arms_table(fig["arms"], labels)]
-    out += ["", "Where a warm arm's seconds go: breakdown.txt, and a cold arm's (part 7): "
-            "breakdown-cold.txt (bench/startup_breakdown.py)."]
+    out += [
+        "",
+        "Where a warm arm's seconds go: breakdown.txt, and a cold arm's (part 7): "
+        "breakdown-cold.txt (bench/startup_breakdown.py).",
+    ]
     out += ["", "## The reference trainer's step (bench_trainer.py)", ""]
     out += trainer_table(fig["trainer"])
     switch = meta.get("switch", "trainer.warm_attention")  # runs before the switch was named

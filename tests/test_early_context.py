@@ -1,5 +1,5 @@
 """trainer.early_cuda_context: the CUDA context made in a thread while the trainer imports
-(trainer/early.py). Off by default; on a machine without a GPU it starts nothing and the run
+(trainer/early.py). On by default; on a machine without a GPU it starts nothing and the run
 is the run without it; on a GPU the context's thread is recorded in startup.json and the steps'
 losses are those of the run without it."""
 
@@ -17,18 +17,21 @@ from moe_perf.trainer import early
 SHAPES = ["training.max_steps=2"]
 
 
-def test_off_by_default_until_a_gpu_measures_a_gain():
-    assert TrainerConfig().early_cuda_context is False
+def test_on_by_default_since_a_gpu_measured_a_gain():
+    assert TrainerConfig().early_cuda_context is True
 
 
 def test_started_only_where_the_config_asks_for_it_on_a_gpu(tmp_path):
     config = str(write_config(tmp_path))
-    assert early.start([config]) is None  # the default: off
+    assert early.start([config]) is None  # the default asks for it, but training.device=cpu
     assert early.start([config, "trainer.early_cuda_context=true"]) is None  # training.device=cpu
     assert early.start([str(tmp_path / "missing.yaml")]) is None  # main reports it
     assert early.start([]) is None
     on_gpu = [config, "trainer.early_cuda_context=true", "training.device=cuda"]
     assert early.wanted(on_gpu) is torch.cuda.is_available()
+    assert (
+        early.wanted([config, "trainer.early_cuda_context=false", "training.device=cuda"]) is False
+    )
 
 
 @pytest.mark.slow

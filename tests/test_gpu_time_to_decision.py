@@ -76,10 +76,11 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
     steps = ["step-bf16-1", "step-fp8-1", "step-fp8mw-1", "step-fp8mw-2", "step-fp8-2",
              "step-bf16-2"]  # fmt: skip
     sweeps = ["sweep-off-1", "sweep-on-1", "sweep-on-2", "sweep-off-2"]
-    assert list(plan) == ["startup", *warm, "breakdown", *steps, *sweeps, "cold-off", "cold-on"]
+    cold = ["cold-off", "cold-on", "breakdown-cold"]
+    assert list(plan) == ["startup", *warm, "breakdown", *steps, *sweeps, *cold]
     assert "not run: torchtitan" in result.stdout
 
-    for label in ["startup", *warm, "breakdown", *sweeps, "cold-off", "cold-on"]:
+    for label in ["startup", *warm, "breakdown", *sweeps, *cold]:
         argv = plan[label]
         assert argv[1].endswith("bench/bench_startup.py")
         sets = dict(item.partition("=")[::2] for item in values_after(argv, "--set"))
@@ -87,7 +88,11 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
         assert shapes["training.micro_batch"] == "8" and shapes["training.max_steps"] == "10"
         assert_composes([f"{k}={v}" for k, v in shapes.items()])
     assert all("--warm" in plan[label] for label in [*warm, "breakdown"])
-    assert "--warm" not in plan["cold-on"] and "--warm" not in plan["startup"]
+    assert not any("--warm" in plan[label] for label in ["startup", *cold])
+    for label in ("breakdown", "breakdown-cold"):  # attributed: sampled stacks, timed imports
+        assert "trainer.sample_stacks_ms=5" in values_after(plan[label], "--set")
+    caches = [values_after(plan[label], "--cache") for label in ["startup", *cold]]
+    assert len({c[0] for c in caches}) == len(caches)  # each cold arm an empty cache of its own
     switch = {label: dict(v.partition("=")[::2] for v in values_after(plan[label], "--set"))
               .get("trainer.early_cuda_context") for label in warm}  # fmt: skip
     assert list(switch.values()) == ["false", "true", "true", "false"]

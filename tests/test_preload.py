@@ -116,6 +116,18 @@ def test_exit_status_and_uncaught_exceptions_are_the_childs(preloader, probe_dir
             assert forked.stderr.splitlines()[-1] == "RuntimeError: probe failed"
 
 
+def test_a_forked_arm_starts_with_the_servers_objects_frozen(preloader, probe_dir, tmp_path):
+    """The server's imports are out of the collector's reach in its children (gc.freeze), so a
+    child's collections neither walk them nor write to the pages it shares with the server; a
+    fresh interpreter freezes nothing."""
+    (probe_dir / "frozen.py").write_text("import gc\nprint(gc.get_freeze_count())\n")
+    plain = launch(None, ["frozen.py"], probe_dir, tmp_path / "plain.json")
+    forked = launch(preloader, ["frozen.py"], probe_dir, tmp_path / "preload.json")
+    assert plain.returncode == forked.returncode == 0, forked.stderr
+    assert int(plain.stdout) == 0
+    assert int(forked.stdout) > 1000  # json and email's modules, functions and classes
+
+
 def test_one_server_serves_every_arm_of_its_environment(preloader, probe_dir, tmp_path):
     pids = set()
     for value in ("one", "two"):  # an arm's own values (PYTHONPATH among them) do not count

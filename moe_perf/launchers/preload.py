@@ -18,7 +18,6 @@ option, a server that could not import). The record carries it (`extra.preload`)
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_perf.common.config import gpu_expected
 from moe_perf.launchers.orphans import LAUNCH_REPO_ENV, LAUNCH_TOKEN_ENV
 from moe_perf.launchers.process import trainer_env
 
@@ -134,8 +134,7 @@ def wanted(cfg: Any, several_arms: bool = True) -> bool:
         return bool(setting)
     if str(cfg.trainer.get("name")) != "reference" or not several_arms:
         return False
-    device = str(cfg.training.device)
-    return device == "cuda" or (device == "auto" and bool(glob.glob("/dev/nvidia[0-9]*")))
+    return gpu_expected(str(cfg.training.device))
 
 
 def preloaded(cfg: Any, launcher: Any, trainer_argv: Sequence[str], multirun: bool,

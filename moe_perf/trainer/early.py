@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from moe_perf.common.config import load_config
+from moe_perf.common.config import gpu_expected, load_config
 from moe_perf.trainer.clock import HelperThread, process_age_s
 
 EARLY_CONTEXT_THREAD = "moe_perf-early-cuda-context"
@@ -44,8 +44,8 @@ def wanted(argv: list[str]) -> bool:
         cfg = load_config(argv[0], argv[1:])
     except Exception:  # train.main reads it again and says what is wrong
         return False
-    if not cfg.trainer.early_cuda_context or cfg.training.device == "cpu":
-        return False
+    if not cfg.trainer.early_cuda_context or not gpu_expected(cfg.training.device):
+        return False  # torch's import stays where it was
     import torch  # only now: with the switch off, the imports stay as without it
 
     return torch.cuda.is_available()

@@ -13,6 +13,7 @@ reductions are outside. tokens/s = global_batch * sequence_length / step time.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import sys
@@ -273,15 +274,21 @@ def write_startup(
     path.write_text(json.dumps(info) + "\n")
 
 
-def freeze_imports() -> int:
-    """Every object the garbage collector tracks now (those of the imports: torch's modules,
-    functions and classes, a million or more) moved to its permanent generation, which no
-    collection walks: step 1's trace allocates enough to run full collections, and each walked
-    them all. In a fork of a preloaded interpreter those walks also wrote to every inherited page
-    (gc's own counters), which the kernel then copied. No collection first: that would be one
-    such walk, and the imports leave little garbage. Returns how many objects it froze."""
+@contextlib.contextmanager
+def imports_frozen(freeze: bool):
+    """With `freeze`, every object the garbage collector tracks now (those of the imports:
+    torch's modules, functions and classes, some 300,000) moved to its permanent generation,
+    which no collection walks, until the run ends: step 1's trace allocates enough to run full
+    collections, and each walked them all. No collection first: that would be one such walk,
+    and the imports leave little garbage. Yields how many objects are frozen (None without)."""
+    if not freeze:
+        yield None
+        return
     gc.freeze()
-    return gc.get_freeze_count()
+    try:
+        yield gc.get_freeze_count()
+    finally:
+        gc.unfreeze()  # a run inside a longer process (the tests) leaves its collector as it was
 
 
 def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
@@ -291,7 +298,12 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
     before the build's first CUDA call."""
     timeline = Timeline()
     timeline.mark("main")
-    frozen = freeze_imports() if cfg.trainer.gc_freeze else None
+    with imports_frozen(cfg.trainer.gc_freeze) as frozen:
+        _run(cfg, out, timeline, profile_dir, explain_dir, startup_path, early_context, frozen)
+
+
+def _run(cfg: Config, out, timeline: Timeline, profile_dir, explain_dir, startup_path,
+         early_context: early.EarlyContext | None, frozen: int | None) -> None:  # fmt: skip
     sampler = stacks.start(cfg.trainer.sample_stacks_ms, timeline.marks)
     if early_context is not None:
         early_context.join()
