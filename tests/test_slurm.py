@@ -48,6 +48,12 @@ def slurm_problem() -> str | None:
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed"
     try:
+        # a primary controller that is down is named by a ping at once, where sinfo retries
+        # for about 10 s before it fails (a backup's state is no reason to skip)
+        ping = _run(["scontrol", "ping"], timeout=20)
+        down = [line for line in ping.stdout.splitlines() if "(primary)" in line and "DOWN" in line]
+        if down:
+            return f"scontrol ping: {down[0].strip()}"
         info = _run(["sinfo", "--noheader", "--format=%T"], timeout=20)
         if info.returncode != 0:
             return f"sinfo failed: {(info.stderr or info.stdout).strip()}"

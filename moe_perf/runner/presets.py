@@ -9,6 +9,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+from hydra.core.config_loader import ConfigLoader
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
@@ -44,10 +45,24 @@ def mesh_line(path: Path) -> str:
             f"dp{dims.dp}  {where}")  # fmt: skip
 
 
+# OmegaConf's merge dereferences --help's template, so Hydra evaluates the listing at every
+# compose (each arm of a sweep, each in-process compose), though only --help shows it; each
+# group's options cost Hydra a fresh config repository, about a third of a compose. A search
+# path's groups and options do not change while a process runs: each is listed once.
+_LISTED: dict[tuple[tuple[str | None, str | None], ...], str] = {}
+
+
 def option_groups() -> str:
     """`group: option, ...` for every group a user selects, as Hydra's loader sees them (for
     --help: Hydra's own list, $APP_CONFIG_GROUPS, shows the typed schema's groups too)."""
     loader = GlobalHydra.instance().config_loader()
+    search_path = tuple((e.provider, e.path) for e in loader.get_search_path().get_path())
+    if search_path not in _LISTED:
+        _LISTED[search_path] = _listed_groups(loader)
+    return _LISTED[search_path]
+
+
+def _listed_groups(loader: ConfigLoader) -> str:
     groups = sorted(g for g in loader.list_groups("") if g not in INTERNAL_GROUPS)
     return "\n".join(f"{g}: {', '.join(sorted(loader.get_group_options(g)))}" for g in groups)
 
