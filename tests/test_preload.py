@@ -222,6 +222,7 @@ def test_forkserver_is_run_by_path_and_imports_no_moe_perf():
 # ---- through the real command -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_sweep_of_forked_arms_runs_each_commits_own_code(tmp_path):
     """The small trainer's sweep with launcher.preload: the feature branch's slowdown is found,
     every arm came from one server, and nothing is left running."""
@@ -246,6 +247,7 @@ def test_a_sweep_of_forked_arms_runs_each_commits_own_code(tmp_path):
     assert not any(alive(info["pid"]) for info in infos.values())
 
 
+@pytest.mark.slow
 def test_a_crashing_forked_arm_fails_alone_with_its_exit_status(tmp_path):
     repo = make_ab_repo(tmp_path / "repo", feat=trainer_files(exit_after_step=2))
     result = moe_perf(repo, *SMALL_RUN, "launcher.preload=true",
@@ -288,6 +290,7 @@ def test_the_reference_trainer_forked_from_torch_trains_as_a_fresh_process(tmp_p
     assert [s["loss"] for s in fresh["steps"]] == [s["loss"] for s in base["steps"]]
 
 
+@pytest.mark.slow
 def test_the_dry_run_says_which_arms_would_be_forked(tmp_path):
     repo = make_ab_repo(tmp_path / "repo")
     said = "launcher.preload: run as a fork of the sweep's interpreter that imported numpy once"
@@ -299,6 +302,7 @@ def test_the_dry_run_says_which_arms_would_be_forked(tmp_path):
         assert (said in result.stdout) is forked, overrides
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_leaves_no_server_launch_or_child(tmp_path):
     repo = make_ab_repo(tmp_path / "repo", feat=trainer_files(sleep_s=1.0))
     args = [arg for arg in SMALL_RUN if not arg.startswith("training.max_steps")]
