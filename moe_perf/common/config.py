@@ -234,7 +234,7 @@ class TrainerConfig:
     # 133,600 tokens/s on an H100 (bf16: 132,500), 2 GiB more peak memory
     fp8_master_weights: bool = True
     # the CUDA context made in a thread while the trainer imports (trainer/early.py), instead
-    # of after: a warm arm 11.75 -> 11.28 s on an H100, and 8.2 -> 8.0 s forked from a
+    # of after: a warm arm 11.75 -> 11.28 s on an H100, and 8.27 -> 8.00 s forked from a
     # preloaded interpreter, losses unchanged
     early_cuda_context: bool = True
     # the objects of the trainer's imports moved out of the garbage collector's reach at its

@@ -252,12 +252,11 @@ def write_startup(
 ) -> None:
     """Rank 0's start-up timeline (seconds since its process started at each mark: main,
     process_group, model_on_meta, parallelized, step1_done, steps_done, finished, and its minor
-    page faults so far at each) and its
-    compile-cache counters, where its compiles' time went (dynamo's phase clocks, the Triton
-    kernels it compiled itself), for the runner's record; with trainer.warm_attention, what
-    the warm-up took and how long the build waited for it; with trainer.early_cuda_context,
-    when the context's thread started, what it took and how long the build waited for it;
-    with trainer.gc_freeze, how many objects it froze."""
+    page faults so far at each) and its compile-cache counters, where its compiles' time went
+    (dynamo's phase clocks, the Triton kernels it compiled itself), for the runner's record;
+    with trainer.warm_attention, what the warm-up took and how long the build waited for it;
+    with trainer.early_cuda_context, when the context's thread started, what it took and how
+    long the build waited for it; with trainer.gc_freeze, how many objects it froze."""
     info = {
         "marks_s": timeline.marks,
         "minor_faults": timeline.minor_faults,
