@@ -30,7 +30,9 @@
 # after 1 to run, default "2 3 4 5 6 7"), PRELOAD_ORDER (part 5's sweeps, default "off on on off"),
 # PYTHON (python3), BUDGET_S
 # (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
-# (recorded instead of the tree's HEAD: a copied tree's .git may be stale).
+# (recorded instead of the tree's HEAD: a copied tree's .git may be stale), SEED_CACHE (a
+# compile cache another machine of the same GPU, torch and Triton filled, e.g. an earlier
+# run's WORK/cache: copied in before part 1, whose first arm then loads it, bytecode still cold).
 set -uo pipefail
 
 usage() {
@@ -137,17 +139,18 @@ write_meta() {
   commit=${COMMIT:-$(git -C "$HERE" rev-parse HEAD 2>/dev/null || echo unknown)}
   card=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null |
     head -1)
-  "$PY" - "$WORK/meta.json" "$commit" "${card:-no GPU}" "$MODE" "$BUDGET_S" "$SWITCH" "$*" <<'EOF'
+  "$PY" - "$WORK/meta.json" "$commit" "${card:-no GPU}" "$MODE" "$BUDGET_S" "$SWITCH" "$*" \
+    "${SEED_CACHE:-}" <<'EOF'
 import datetime, importlib.util, json, platform, sys
 import torch
-path, commit, card, mode, budget, switch, command = sys.argv[1:]
+path, commit, card, mode, budget, switch, command, seed_cache = sys.argv[1:]
 torchao = None
 if importlib.util.find_spec("torchao"):
     import torchao
     torchao = torchao.__version__
 json.dump({"commit": commit, "card": card, "torch": torch.__version__, "torchao": torchao,
            "python": platform.python_version(), "mode": mode, "budget_s": int(budget),
-           "switch": switch,
+           "switch": switch, "seed_cache": seed_cache or None,
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "command": command}, open(path, "w"), indent=1)
 EOF
@@ -178,8 +181,13 @@ step_variant() {  # VARIANT: one bench_trainer.py run of bf16, fp8 or fp8mw
 
 write_meta "bash bench/gpu_time_to_decision.sh $*"
 echo "== 1. arms: the machine's first, then warm (bench_startup.py)"
+FIRST=()
+if [[ -n ${SEED_CACHE:-} ]]; then  # the first arm loads what another machine compiled
+  $DRY || { mkdir -p "$CACHE" && cp -r "$SEED_CACHE"/. "$CACHE"/; } || exit 2
+  FIRST=(--warm)
+fi
 run startup "$PY" "$HERE/bench/bench_startup.py" "$WORK/startup" --runs "$FIRST_RUNS" \
-  "${STARTUP[@]}" --cache "$CACHE"
+  "${STARTUP[@]}" --cache "$CACHE" "${FIRST[@]}"
 
 echo "== 2. $SWITCH on warm arms: ${WARM_ORDER[*]}"
 want 2 && for switch in "${WARM_ORDER[@]}"; do

@@ -111,6 +111,14 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
         assert_composes(bench_trainer.config_overrides(args))
 
 
+def test_a_carried_compile_cache_makes_the_first_arm_load_it(tmp_path):
+    """SEED_CACHE: the first arm keeps the cache copied in (--warm) instead of emptying it."""
+    result = script(str(tmp_path / "out"), "--dry-run", PARTS="none", SEED_CACHE=str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    first = planned(result.stdout)["startup"]
+    assert "--warm" in first and values_after(first, "--cache") == ["<WORK>/cache"]
+
+
 @pytest.mark.slow
 def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
