@@ -21,18 +21,18 @@
 #
 #   bash bench/gpu_time_to_decision.sh OUT_DIR [--dry-run | --smoke]
 #
-# OUT_DIR (new or empty) gets summary.md, figures.json, breakdown.txt and breakdown-cold.txt (bench/
-# time_to_decision_summary.py, rewritten after every part, so a run cut short keeps what it
-# measured), logs.tar.gz (every part's log and records) and run.log (this script's output).
+# OUT_DIR (new or empty) gets summary.md, figures.json, breakdown.txt and breakdown-cold.txt
+# (bench/time_to_decision_summary.py, rewritten after every part, so a run cut short keeps what
+# it measured), logs.tar.gz (every part's log and records) and run.log (this script's output).
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
 # tiny model's CPU shapes (the plumbing, not figures). Environment: SWITCH, PARTS (the parts
-# after 1 to run, default "2 3 4 5 6 7"), PRELOAD_ORDER (part 5's sweeps, default "off on on off"),
-# PYTHON (python3), BUDGET_S
-# (480: an optional part starts only if its estimate ends before it), TITAN_TREE, WORK, COMMIT
-# (recorded instead of the tree's HEAD: a copied tree's .git may be stale), SEED_CACHE (a
-# compile cache another machine of the same GPU, torch and Triton filled, e.g. an earlier
-# run's WORK/cache: copied in before part 1, whose first arm then loads it, bytecode still cold).
+# after 1 to run, default "2 3 4 5 6 7"), PRELOAD_ORDER (part 5's sweeps, default "off on on
+# off"), PYTHON (python3), BUDGET_S (480: an optional part starts only if its estimate ends
+# before it), TITAN_TREE, WORK, COMMIT (recorded instead of the tree's HEAD: a copied tree's
+# .git may be stale), SEED_CACHE (a compile cache another machine of the same GPU, torch and
+# Triton filled, e.g. an earlier run's WORK/cache: copied in before part 1, whose first arm then
+# loads it, bytecode still cold).
 set -uo pipefail
 
 usage() {

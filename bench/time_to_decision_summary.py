@@ -6,13 +6,12 @@ WORK is the script's work directory: meta.json (commit, card, software, command,
 under A/B), startup/ (bench_startup.py: the machine's first arm, then warm ones),
 warmup/<variant><i>/ and cold/ (the switch off and on, one arm each), breakdown/run1 (one warm
 arm with sampled stacks and import times), breakdown-cold/run1 (the same, compile caches empty),
-trainer/<variant>-<i>/ (bench_trainer.py: bf16,
-fp8, fp8 over master weights), preload/<off|on>-<i>/ (bench_startup.py --pairs 2: one sweep
-of four arms with launcher.preload off or on), titan/bench.txt (torchtitan, when it ran) and
-skipped.txt (what did not run, and why). Writes OUT/summary.md, OUT/figures.json,
-OUT/breakdown.txt and OUT/breakdown-cold.txt; parts that did not run are left out and
-skipped.txt says why. It reports medians, ranges and differences; it decides nothing (a
-switch's default changes on the project's verdict, not here).
+trainer/<variant>-<i>/ (bench_trainer.py: bf16, fp8, fp8 over master weights),
+preload/<off|on>-<i>/ (bench_startup.py --pairs 2: one sweep of four arms with launcher.preload
+off or on), titan/bench.txt (torchtitan, when it ran) and skipped.txt (what did not run, and
+why). Writes OUT/summary.md, OUT/figures.json, OUT/breakdown.txt and OUT/breakdown-cold.txt;
+parts that did not run are left out and skipped.txt says why. It reports medians, ranges and
+differences; it decides nothing (a switch's default changes on the project's verdict, not here).
 """
 
 from __future__ import annotations

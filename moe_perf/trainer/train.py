@@ -298,26 +298,22 @@ def run(cfg: Config, out=sys.stdout, profile_dir=None, explain_dir=None,
     timeline = Timeline()
     timeline.mark("main")
     with imports_frozen(cfg.trainer.gc_freeze) as frozen:
-        _run(cfg, out, timeline, profile_dir, explain_dir, startup_path, early_context, frozen)
-
-
-def _run(cfg: Config, out, timeline: Timeline, profile_dir, explain_dir, startup_path,
-         early_context: early.EarlyContext | None, frozen: int | None) -> None:  # fmt: skip
-    sampler = stacks.start(cfg.trainer.sample_stacks_ms, timeline.marks)
-    if early_context is not None:
-        early_context.join()
-    tr = build(cfg, out, timeline)
-    try:
-        steps(tr, out, timeline, profile_dir, explain_dir)
-    finally:
-        prebuild.stop(tr.helper)
-    timeline.mark("finished")
-    if sampler is not None:
-        sampler.stop()
-        out_dir = profiling.output_dir(cfg.trainer, profile_dir)
-        sampler.write(out_dir / f"stacks_rank{tr.rank}.txt")
-    if startup_path is not None and tr.rank == 0:
-        write_startup(Path(startup_path), timeline, tr.attention_warm_up, early_context, frozen)
+        sampler = stacks.start(cfg.trainer.sample_stacks_ms, timeline.marks)
+        if early_context is not None:
+            early_context.join()
+        tr = build(cfg, out, timeline)
+        try:
+            steps(tr, out, timeline, profile_dir, explain_dir)
+        finally:
+            prebuild.stop(tr.helper)
+        timeline.mark("finished")
+        if sampler is not None:
+            sampler.stop()
+            out_dir = profiling.output_dir(cfg.trainer, profile_dir)
+            sampler.write(out_dir / f"stacks_rank{tr.rank}.txt")
+        if startup_path is not None and tr.rank == 0:
+            write_startup(Path(startup_path), timeline, tr.attention_warm_up, early_context,
+                          frozen)  # fmt: skip
 
 
 def steps(tr: Trainer, out, timeline: Timeline, profile_dir, explain_dir) -> None:
