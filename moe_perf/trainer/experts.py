@@ -71,10 +71,12 @@ expert_bmm.register_autograd(_expert_bmm_grad, setup_context=_expert_bmm_setup)
 
 
 def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """torch._grouped_mm needs row strides that are multiples of 16 bytes; bf16 on CUDA."""
+    """torch._grouped_mm needs row strides that are multiples of 16 bytes; bf16 on CUDA, and
+    under torch.compile on any device (its meta kernel, which dynamo traces with, refuses other
+    dtypes although the CPU kernel runs them)."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.is_cuda and x.dtype != torch.bfloat16:
+    if x.dtype != torch.bfloat16 and (x.is_cuda or torch.compiler.is_compiling()):
         return False
     return all(
         (t.shape[-1] * t.element_size()) % 16 == 0 and (t.shape[-2] * t.element_size()) % 16 == 0
