@@ -14,7 +14,7 @@ from moe_perf.common.config import ModelConfig
 from moe_perf.trainer import flops
 from moe_perf.trainer.balance import global_batch_balance_loss, sequence_balance_loss
 from moe_perf.trainer.dispatch import LocalDispatcher
-from moe_perf.trainer.experts import GroupedExperts
+from moe_perf.trainer.experts import GroupedExperts, _grouped_mm_ok
 from moe_perf.trainer.layers import swiglu
 from moe_perf.trainer.model import build_model, cross_entropy
 from moe_perf.trainer.moe import MoE
@@ -125,6 +125,21 @@ def test_grouped_experts_equal_a_per_expert_reference(dtype, clamp, backend):
     torch.testing.assert_close(y_ND, ref, **tol)
     torch.testing.assert_close(got_x, x_ND.grad, **tol)
     torch.testing.assert_close(got_w13, experts.w13.grad, **tol)
+
+
+def test_grouped_experts_compile_in_fp32():
+    """Eager fp32 on the CPU runs torch._grouped_mm, whose meta kernel (what dynamo traces
+    with) takes bf16 only: compiled, fp32 goes another way, to the same result."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, 16)
+    experts.init_weights(0.5, 0.5)
+    counts = torch.tensor([4, 0, 8, 4])  # 16 rows: strides _grouped_mm takes
+    x_ND = torch.randn(int(counts.sum()), 32)
+    assert _grouped_mm_ok(x_ND, experts.w13, experts.w2)  # eager: the grouped path
+    eager = experts(x_ND, counts)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend="eager")(x_ND, counts)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 
 def test_local_dispatch_sorts_by_expert_and_combine_restores_order():
