@@ -16,7 +16,11 @@
 #      empty, bytecode kept), then torchtitan's A/A sweep (bench_frameworks.sh) when TITAN_TREE
 #      names a torchtitan 0.2.2 tree;
 #   7. if time is left: one cold arm (compile caches empty, bytecode kept) attributed as in 3:
-#      where the first arm's extra seconds go.
+#      where the first arm's extra seconds go;
+#   8. run right after part 1, while the machine is nearly fresh: the machine's first arm as it
+#      would be with a compile cache carried from another machine of the same GPU, torch and
+#      Triton: a copy of part 1's cache loaded by an arm whose bytecode directory is empty
+#      (a fresh XDG_CACHE_HOME), after the page cache is dropped where this user may (root).
 # Shapes: 4-layer qwen3-30b-a3b, seq 2048, global batch 32, micro-batch 8, compiled, 10 steps.
 #
 #   bash bench/gpu_time_to_decision.sh OUT_DIR [--dry-run | --smoke]
@@ -26,8 +30,8 @@
 # it measured), logs.tar.gz (every part's log and records) and run.log (this script's output).
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
-# tiny model's CPU shapes (the plumbing, not figures). Environment: SWITCH, PARTS (the parts
-# after 1 to run, default "2 3 4 5 6 7"), PRELOAD_ORDER (part 5's sweeps, default "off on on
+# tiny model's CPU shapes (the plumbing, not figures; the page cache is left alone). Environment:
+# SWITCH, PARTS (the parts after 1 to run, default "2 3 4 5 6 7 8"), PRELOAD_ORDER (part 5's sweeps, default "off on on
 # off"), PYTHON (python3), BUDGET_S (480: an optional part starts only if its estimate ends
 # before it), TITAN_TREE, WORK, COMMIT (recorded instead of the tree's HEAD: a copied tree's
 # .git may be stale), SEED_CACHE (a compile cache another machine of the same GPU, torch and
@@ -46,7 +50,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-480}
 SWITCH=${SWITCH:-trainer.early_cuda_context}
-PARTS=${PARTS:-2 3 4 5 6 7}  # part 1 always runs: its arms fill the compile cache the others load
+PARTS=${PARTS:-2 3 4 5 6 7 8}  # part 1 always runs: its arms fill the compile cache the others load
 DRY=false
 [[ $MODE == --dry-run ]] && DRY=true
 if ! $DRY && [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
@@ -91,8 +95,8 @@ publish() {  # the figures so far into OUT
   $DRY && return 0
   "$PY" "$HERE/bench/time_to_decision_summary.py" "$WORK" "$OUT" >>"$WORK/logs/summary.log" 2>&1 ||
     echo "summary failed: see logs/summary.log"
-  tar -C "$WORK" -czf "$OUT/logs.tar.gz" --exclude=cache --exclude='cache-*' --exclude='*.pt' \
-    --exclude=trace_rank0.json . 2>/dev/null
+  tar -C "$WORK" -czf "$OUT/logs.tar.gz" --exclude=cache --exclude='cache-*' --exclude=xdg-fresh \
+    --exclude="*.pt" --exclude=trace_rank0.json . 2>/dev/null
 }
 
 run() {  # LABEL COMMAND...: printed; unless --dry-run, run (output in logs/LABEL.log), then published
@@ -188,6 +192,22 @@ if [[ -n ${SEED_CACHE:-} ]]; then  # the first arm loads what another machine co
 fi
 run startup "$PY" "$HERE/bench/bench_startup.py" "$WORK/startup" --runs "$FIRST_RUNS" \
   "${STARTUP[@]}" --cache "$CACHE" "${FIRST[@]}"
+
+echo "== 8. the machine's first arm with a carried compile cache (this machine made nearly new)"
+if want 8; then
+  if ! $DRY; then
+    rm -rf "$WORK/cache-carried" "$WORK/xdg-fresh" && cp -r "$CACHE" "$WORK/cache-carried"
+    if [[ $MODE == --smoke ]]; then
+      echo "kept (--smoke)" >"$WORK/page_cache.txt"
+    elif sync && (echo 3 >/proc/sys/vm/drop_caches) 2>/dev/null; then
+      echo "dropped" >"$WORK/page_cache.txt"
+    else
+      echo "kept (only root may drop it)" >"$WORK/page_cache.txt"
+    fi
+  fi
+  run carried "$PY" "$HERE/bench/bench_startup.py" "$WORK/carried" --runs 1 "${STARTUP[@]}" \
+    --cache "$WORK/cache-carried" --warm --env "XDG_CACHE_HOME=$WORK/xdg-fresh"
+fi
 
 echo "== 2. $SWITCH on warm arms: ${WARM_ORDER[*]}"
 want 2 && for switch in "${WARM_ORDER[@]}"; do
