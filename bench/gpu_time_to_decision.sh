@@ -31,12 +31,12 @@
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
 # tiny model's CPU shapes (the plumbing, not figures; the page cache is left alone). Environment:
-# SWITCH, PARTS (the parts after 1 to run, default "2 3 4 5 6 7 8"), PRELOAD_ORDER (part 5's sweeps, default "off on on
-# off"), PYTHON (python3), BUDGET_S (480: an optional part starts only if its estimate ends
-# before it), TITAN_TREE, WORK, COMMIT (recorded instead of the tree's HEAD: a copied tree's
-# .git may be stale), SEED_CACHE (a compile cache another machine of the same GPU, torch and
-# Triton filled, e.g. an earlier run's WORK/cache: copied in before part 1, whose first arm then
-# loads it, bytecode still cold).
+# SWITCH, PARTS (the parts after 1 to run, default "2 3 4 5 6 7 8"), PRELOAD_ORDER (part 5's
+# sweeps, default "off on on off"), PYTHON (python3), BUDGET_S (480: an optional part starts
+# only if its estimate ends before it), TITAN_TREE, WORK, COMMIT (recorded instead of the
+# tree's HEAD: a copied tree's .git may be stale), SEED_CACHE (a compile cache another machine
+# of the same GPU, torch and Triton filled, e.g. an earlier run's WORK/cache: copied in before
+# part 1, whose first arm then loads it, bytecode still cold).
 set -uo pipefail
 
 usage() {
