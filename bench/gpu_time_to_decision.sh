@@ -20,7 +20,9 @@
 #   8. run right after part 1, while the machine is nearly fresh: the machine's first arm as it
 #      would be with a compile cache carried from another machine of the same GPU, torch and
 #      Triton: a copy of part 1's cache loaded by an arm whose bytecode directory is empty
-#      (a fresh XDG_CACHE_HOME), after the page cache is dropped where this user may (root).
+#      (a fresh XDG_CACHE_HOME), then by one given a copy of part 1's bytecode directory too
+#      (where the arms keep one: compile_cache.bytecode_env), each after the page cache is
+#      dropped where this user may (root).
 # Shapes: 4-layer qwen3-30b-a3b, seq 2048, global batch 32, micro-batch 8, compiled, 10 steps.
 #
 #   bash bench/gpu_time_to_decision.sh OUT_DIR [--dry-run | --smoke]
@@ -30,7 +32,8 @@
 # it measured), logs.tar.gz (every part's log and records) and run.log (this script's output).
 # The work (compile caches, arms) goes to WORK (default: a new temporary directory).
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
-# tiny model's CPU shapes (the plumbing, not figures; the page cache is left alone). Environment:
+# tiny model's CPU shapes (the plumbing, not figures; part 5's sweeps of one pair, the page
+# cache left alone). Environment:
 # SWITCH, PARTS (the parts after 1 to run, default "2 3 4 5 6 7 8"), PRELOAD_ORDER (part 5's
 # sweeps, default "off on on off"), PYTHON (python3), BUDGET_S (480: an optional part starts
 # only if its estimate ends before it), TITAN_TREE, WORK, COMMIT (recorded instead of the
@@ -65,12 +68,14 @@ if [[ $MODE == --smoke ]]; then
            --set trainer.compile=false --set training.device=cpu --set timeout_s=300)
   TRAINER=(--model tiny --layers 2 --seq 64 --global-batch 4 --micro-batch 2 --steps 3 --eager
            --device cpu --launcher python)
-  FIRST_RUNS=2 WARM_ORDER=(off on) STEP_ORDER=(bf16) PRELOAD_ORDER=(off on) STEP_TIMEOUT=300
+  FIRST_RUNS=2 WARM_ORDER=(off on) STEP_ORDER=(bf16) PRELOAD_ORDER=(off on) SWEEP_PAIRS=1
+  STEP_TIMEOUT=300
 else
   STARTUP=(--set training.micro_batch=8 --set training.max_steps=10 --set timeout_s=240)
   TRAINER=(--layers 4 --seq 2048 --global-batch 32 --micro-batch 8 --steps 10)
   FIRST_RUNS=3 WARM_ORDER=(off on on off) STEP_ORDER=(bf16 fp8 fp8mw fp8mw fp8 bf16)
   read -ra PRELOAD_ORDER <<<"${PRELOAD_ORDER:-off on on off}"
+  SWEEP_PAIRS=2
   STEP_TIMEOUT=300
 fi
 # one warm arm attributed: every thread's stack every 5 ms, the trainer's imports timed
@@ -95,7 +100,7 @@ publish() {  # the figures so far into OUT
   $DRY && return 0
   "$PY" "$HERE/bench/time_to_decision_summary.py" "$WORK" "$OUT" >>"$WORK/logs/summary.log" 2>&1 ||
     echo "summary failed: see logs/summary.log"
-  tar -C "$WORK" -czf "$OUT/logs.tar.gz" --exclude=cache --exclude='cache-*' --exclude=xdg-fresh \
+  tar -C "$WORK" -czf "$OUT/logs.tar.gz" --exclude=cache --exclude='cache-*' --exclude='xdg-*' \
     --exclude="*.pt" --exclude=trace_rank0.json . 2>/dev/null
 }
 
@@ -193,20 +198,40 @@ fi
 run startup "$PY" "$HERE/bench/bench_startup.py" "$WORK/startup" --runs "$FIRST_RUNS" \
   "${STARTUP[@]}" --cache "$CACHE" "${FIRST[@]}"
 
+drop_page_cache() {  # before each of part 8's arms; page_cache.txt says what was done
+  $DRY && return 0
+  if [[ $MODE == --smoke ]]; then
+    echo "kept (--smoke)" >"$WORK/page_cache.txt"
+  elif sync && (echo 3 >/proc/sys/vm/drop_caches) 2>/dev/null; then
+    echo "dropped" >"$WORK/page_cache.txt"
+  else
+    echo "kept (only root may drop it)" >"$WORK/page_cache.txt"
+  fi
+}
+
 echo "== 8. the machine's first arm with a carried compile cache (this machine made nearly new)"
 if want 8; then
+  # the arms' bytecode directory under this environment (empty where Python writes it beside
+  # the sources)
+  pycache=$("$PY" -c 'from moe_perf.runner.compile_cache import bytecode_env
+print(bytecode_env().get("PYTHONPYCACHEPREFIX", ""))')
   if ! $DRY; then
     rm -rf "$WORK/cache-carried" "$WORK/xdg-fresh" && cp -r "$CACHE" "$WORK/cache-carried"
-    if [[ $MODE == --smoke ]]; then
-      echo "kept (--smoke)" >"$WORK/page_cache.txt"
-    elif sync && (echo 3 >/proc/sys/vm/drop_caches) 2>/dev/null; then
-      echo "dropped" >"$WORK/page_cache.txt"
-    else
-      echo "kept (only root may drop it)" >"$WORK/page_cache.txt"
-    fi
   fi
+  drop_page_cache
   run carried "$PY" "$HERE/bench/bench_startup.py" "$WORK/carried" --runs 1 "${STARTUP[@]}" \
     --cache "$WORK/cache-carried" --warm --env "XDG_CACHE_HOME=$WORK/xdg-fresh"
+  if [[ -z $pycache ]]; then
+    note "part 8, bytecode carried: the arms keep no bytecode directory here (Python writes it beside the sources)"
+  else
+    if ! $DRY; then
+      rm -rf "$WORK/cache-carried2" "$WORK/xdg-carried" && cp -r "$CACHE" "$WORK/cache-carried2" &&
+        mkdir -p "$WORK/xdg-carried/moe_perf" && cp -r "$pycache" "$WORK/xdg-carried/moe_perf/pycache"
+    fi
+    drop_page_cache
+    run carried-bytecode "$PY" "$HERE/bench/bench_startup.py" "$WORK/carried-bytecode" --runs 1 \
+      "${STARTUP[@]}" --cache "$WORK/cache-carried2" --warm --env "XDG_CACHE_HOME=$WORK/xdg-carried"
+  fi
 fi
 
 echo "== 2. $SWITCH on warm arms: ${WARM_ORDER[*]}"
@@ -238,13 +263,13 @@ for variant in "${STEP_ORDER[@]}"; do
   step_variant "$variant"
 done
 
-echo "== 5. launcher.preload on sweeps of two A/A pairs: ${PRELOAD_ORDER[*]}"
+echo "== 5. launcher.preload on sweeps of $SWEEP_PAIRS A/A pairs: ${PRELOAD_ORDER[*]}"
 want 5 && for switch in "${PRELOAD_ORDER[@]}"; do
   next_label "sweep-$switch"
   value=false
   [[ $switch == on ]] && value=true
   run "$LABEL" "$PY" "$HERE/bench/bench_startup.py" "$WORK/preload/$switch-${LABEL##*-}" --runs 1 \
-    --pairs 2 "${STARTUP[@]}" --cache "$CACHE" --warm --set "launcher.preload=$value"
+    --pairs "$SWEEP_PAIRS" "${STARTUP[@]}" --cache "$CACHE" --warm --set "launcher.preload=$value"
 done
 
 echo "== 6. if time is left: $SWITCH on cold arms; torchtitan"

@@ -68,7 +68,7 @@ def test_a_directory_that_holds_results_is_refused_untouched(tmp_path):
 @pytest.mark.slow
 def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
-    result = script(str(out), "--dry-run", BUDGET_S="1")
+    result = script(str(out), "--dry-run", BUDGET_S="1", PYTHONDONTWRITEBYTECODE="1")
     assert result.returncode == 0, result.stderr
     assert not out.exists()
     plan = planned(result.stdout)
@@ -77,25 +77,29 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
              "step-bf16-2"]  # fmt: skip
     sweeps = ["sweep-off-1", "sweep-on-1", "sweep-on-2", "sweep-off-2"]
     cold = ["cold-off", "cold-on", "breakdown-cold"]
-    assert list(plan) == ["startup", "carried", *warm, "breakdown", *steps, *sweeps, *cold]
+    carried = ["carried", "carried-bytecode"]
+    assert list(plan) == ["startup", *carried, *warm, "breakdown", *steps, *sweeps, *cold]
     assert "not run: torchtitan" in result.stdout
 
-    for label in ["startup", "carried", *warm, "breakdown", *sweeps, *cold]:
+    for label in ["startup", *carried, *warm, "breakdown", *sweeps, *cold]:
         argv = plan[label]
         assert argv[1].endswith("bench/bench_startup.py")
         sets = dict(item.partition("=")[::2] for item in values_after(argv, "--set"))
         shapes = {**bench_startup.SHAPES, **sets}
         assert shapes["training.micro_batch"] == "8" and shapes["training.max_steps"] == "10"
         assert_composes([f"{k}={v}" for k, v in shapes.items()])
-    assert all("--warm" in plan[label] for label in ["carried", *warm, "breakdown"])
+    assert all("--warm" in plan[label] for label in [*carried, *warm, "breakdown"])
     assert not any("--warm" in plan[label] for label in ["startup", *cold])
     for label in ("breakdown", "breakdown-cold"):  # attributed: sampled stacks, timed imports
         assert "trainer.sample_stacks_ms=5" in values_after(plan[label], "--set")
     caches = [values_after(plan[label], "--cache") for label in ["startup", *cold]]
     assert len({c[0] for c in caches}) == len(caches)  # each cold arm an empty cache of its own
-    # part 8: a copy of part 1's cache, loaded with an empty bytecode directory
+    # part 8: copies of part 1's cache, loaded with an empty bytecode directory, then with a
+    # copy of part 1's
     assert values_after(plan["carried"], "--cache") == ["<WORK>/cache-carried"]
     assert values_after(plan["carried"], "--env") == ["XDG_CACHE_HOME=<WORK>/xdg-fresh"]
+    assert values_after(plan["carried-bytecode"], "--cache") == ["<WORK>/cache-carried2"]
+    assert values_after(plan["carried-bytecode"], "--env") == ["XDG_CACHE_HOME=<WORK>/xdg-carried"]
     switch = {label: dict(v.partition("=")[::2] for v in values_after(plan[label], "--set"))
               .get("trainer.early_cuda_context") for label in warm}  # fmt: skip
     assert list(switch.values()) == ["false", "true", "true", "false"]
@@ -126,7 +130,10 @@ def test_a_carried_compile_cache_makes_the_first_arm_load_it(tmp_path):
 def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     # a switch that acts on a CPU: the attention's warm-up (early_cuda_context needs a GPU)
-    result = script(str(out), "--smoke", WORK=str(work), SWITCH="trainer.warm_attention")
+    # PYTHONDONTWRITEBYTECODE: the arms keep their bytecode in a directory of its own, which
+    # part 8 carries
+    result = script(str(out), "--smoke", WORK=str(work), SWITCH="trainer.warm_attention",
+                    PYTHONDONTWRITEBYTECODE="1")  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(len(p.relative_to(out).parts) <= 3 for p in files)
@@ -139,12 +146,16 @@ def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
     assert ab["off"][0]["attention_warm_up"] is None
     assert ab["compare"]["loss_diff"]["across"] == 0.0  # the switch leaves the numerics
     assert fig["trainer"]["bf16"][0]["tokens_per_s"] > 0
-    carried = fig["carried"]  # part 8: the page cache left alone under --smoke
-    assert carried["page_cache"] == "kept (--smoke)" and carried["arm_s"] > carried["measured_s"]
-    assert not (work / "cache-carried").samefile(work / "cache")
-    pre = fig["preload_ab"]  # one sweep of four arms each way, every arm forked with it on
-    assert [len(pre["off"]), len(pre["on"])] == [4, 4]
-    assert pre["served"] == {"off": 0, "on": 4, "arms_on": 4}
+    for key in ("carried", "carried_bytecode"):  # part 8: the page cache left alone (--smoke)
+        carried = fig[key]
+        assert carried["page_cache"] == "kept (--smoke)"
+        assert carried["arm_s"] > carried["measured_s"] and carried["main_s"] > 0
+    # the first of them compiled its bytecode into an empty directory, the second read a copy
+    fresh = work / "xdg-fresh" / "moe_perf" / "pycache"
+    assert any(fresh.rglob("*.pyc")) and any((work / "xdg-carried").rglob("*.pyc"))
+    pre = fig["preload_ab"]  # one sweep of one pair each way, every arm forked with it on
+    assert [len(pre["off"]), len(pre["on"])] == [2, 2]
+    assert pre["served"] == {"off": 0, "on": 2, "arms_on": 2}
     assert pre["warm"]["loss_diff"]["across"] == 0.0
     assert pre["warm"]["arm_s"]["on"]["max"] < pre["warm"]["arm_s"]["off"]["min"]
     assert fig["preload_warm"]["arm_s"] == pre["warm"]["arm_s"]["on"]  # the goal's figure
