@@ -178,24 +178,26 @@ def test_bad_verdict_settings_are_refused_before_anything_runs(tmp_path):
 # ---- real step times ---------------------------------------------------------------------------
 
 
-def test_a_planted_50_percent_slowdown_is_different_at_the_first_look(tmp_path):
-    # feat does 50% more real work per step; with compare.max_pairs=4 the one look, at the
+def test_a_planted_doubling_is_different_at_the_first_look(tmp_path):
+    # feat does twice the real work per step; with compare.max_pairs=4 the one look, at the
     # fourth pair, is the first the rule allows and spends all of its error rate. On a loaded
     # 2-core machine one pair off by 20% once left a planted 20% UNKNOWN (interval -11% to
-    # +57%), when the trainer timed a whole step's CPU seconds; it now times the fastest round,
-    # and the plant is large enough to be decided through such a pair as well.
+    # +57%), when the trainer timed a whole step's CPU seconds; it now times the fastest round.
+    # A planted 50% was then left UNKNOWN once too (estimate +58%, interval -7% to +168%, a CI
+    # run beside the other test worker): the noise is a ratio, so the plant is a doubling,
+    # whose log is 1.7 times that of 1.5.
     repo = make_repo(tmp_path / "repo", {"mytrainer/__main__.py": WORK_TRAINER.read_text(),
                                          "mytrainer/knobs.json": '{"iterations": 40}',
                                          ".gitignore": "__pycache__/\n"})  # fmt: skip
     git(repo, "checkout", "-q", "-b", "feature")
-    commit(repo, {"mytrainer/knobs.json": '{"iterations": 60}'}, "50% more work per step")
+    commit(repo, {"mytrainer/knobs.json": '{"iterations": 80}'}, "twice the work per step")
     result = moe_perf(repo, *RUN, "training.max_steps=16", "compare.max_pairs=4",
                       "-m", "arm=base,feat")  # fmt: skip
     assert result.returncode == 0, result.stderr
     (group,) = groups(repo).values()
     verdict = group["verdict"]["step_time_s"]
     assert (verdict["word"], verdict["pairs"]) == ("DIFFERENT", Plan().first_look), verdict
-    assert 0.2 < verdict["estimate"] < 1.0 and verdict["low"] > 0
+    assert 0.5 < verdict["estimate"] < 1.6 and verdict["low"] > 0
 
 
 def test_a_reference_trainer_aa_at_a_rare_false_alarm_rate_is_not_different(tmp_path):
