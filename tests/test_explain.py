@@ -375,7 +375,9 @@ def explain_section(cwd: Path) -> tuple[dict, str]:
 @pytest.mark.slow
 def test_planted_expert_gemms_show_up_as_expert_gemm_time(tmp_path):
     repo = repo_with_this_trainer(tmp_path / "repo")
-    plant_expert_gemms(repo, extra=48)
+    # 96 extra matmuls: with 48 (about 6 ms a step) a drift of the shared machine's load moved
+    # another category by 3.3 ms once, between the two runs (CI, beside the other test worker)
+    plant_expert_gemms(repo, extra=96)
     result = moe_perf(tmp_path, f"repo={repo}", *SMALL, "-m", "arm=base,feat", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     section, md = explain_section(tmp_path)
