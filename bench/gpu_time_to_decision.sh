@@ -209,12 +209,15 @@ drop_page_cache() {  # before each of part 8's arms; page_cache.txt says what wa
   fi
 }
 
+# where the arms keep Python's bytecode (compile_cache.bytecode_env; nothing where Python writes
+# it beside the sources): carried by part 8, given to bench_trainer.py in part 4
+mapfile -t BYTECODE < <("$PY" -c 'from moe_perf.runner.compile_cache import bytecode_env
+for k, v in bytecode_env().items(): print(f"{k}={v}")')
+pycache=""
+for kv in "${BYTECODE[@]}"; do [[ $kv == PYTHONPYCACHEPREFIX=* ]] && pycache=${kv#*=}; done
+
 echo "== 8. the machine's first arm with a carried compile cache (this machine made nearly new)"
 if want 8; then
-  # the arms' bytecode directory under this environment (empty where Python writes it beside
-  # the sources)
-  pycache=$("$PY" -c 'from moe_perf.runner.compile_cache import bytecode_env
-print(bytecode_env().get("PYTHONPYCACHEPREFIX", ""))')
   if ! $DRY; then
     rm -rf "$WORK/cache-carried" "$WORK/xdg-fresh" && cp -r "$CACHE" "$WORK/cache-carried"
   fi
@@ -247,13 +250,8 @@ want 3 && run breakdown "$PY" "$HERE/bench/bench_startup.py" "$WORK/breakdown" -
   --cache "$CACHE" --warm "${BREAKDOWN[@]}"
 
 echo "== 4. the step (bench_trainer.py): ${STEP_ORDER[*]}"
-missing="" BYTECODE=()
-if ! $DRY; then
-  missing=$(fp8_missing)
-  # where the arms keep Python's bytecode (compile_cache.bytecode_env), for bench_trainer.py too
-  mapfile -t BYTECODE < <("$PY" -c 'from moe_perf.runner.compile_cache import bytecode_env
-for k, v in bytecode_env().items(): print(f"{k}={v}")')
-fi
+missing=""
+$DRY || missing=$(fp8_missing)
 want 4 || STEP_ORDER=()
 for variant in "${STEP_ORDER[@]}"; do
   if [[ $variant == fp8* && -n $missing ]]; then

@@ -32,9 +32,9 @@ from moe_perf.common import contract  # noqa: E402
 
 WARM_ARM_GOAL_S, FIRST_ARM_GOAL_S = 8.0, 15.0
 # part 8's arms: figures key, folder under WORK, what was carried
-CARRIED = (("carried", "carried"), ("carried_bytecode", "carried-bytecode"))
-CARRIED_WHAT = {"carried": "a carried compile cache, bytecode directory empty",
-                "carried_bytecode": "a carried compile cache and bytecode directory"}  # fmt: skip
+CARRIED = (("carried", "carried", "a carried compile cache, bytecode directory empty"),
+           ("carried_bytecode", "carried-bytecode",
+            "a carried compile cache and bytecode directory"))  # fmt: skip
 
 
 def read_json(path: Path) -> dict | None:
@@ -153,7 +153,7 @@ def figures(work: Path) -> dict:
     fig: dict = {"meta": read_json(work / "meta.json") or {}}
     fig["arms"] = startup_arms(work / "startup")
     page_cache = work / "page_cache.txt"
-    for key, folder in CARRIED:
+    for key, folder, _ in CARRIED:
         carried = startup_arms(work / folder)
         if carried:
             fig[key] = {**carried[0], "page_cache": page_cache.read_text().strip()
@@ -242,10 +242,10 @@ def goals(fig: dict) -> list[str]:
         rest = ", ".join(f"{a['not_measured_s']:.1f} s" for a in arms[1:])
         lines.append(f"- warm arms: {walls} (goal under {WARM_ARM_GOAL_S:g} s); not "
                      f"measurement: {rest}")  # fmt: skip
-    for key, _ in CARRIED:
+    for key, _, what in CARRIED:
         if key in fig:
             c = fig[key]
-            lines.append(f"- the machine's first arm with {CARRIED_WHAT[key]} (part 8, page cache "
+            lines.append(f"- the machine's first arm with {what} (part 8, page cache "
                          f"{c['page_cache']}): {c['arm_s']:.1f} s, step 1 {c['step1_s']:.2f} s, "
                          f"the trainer's imports done at {c['main_s']} s (goal under "
                          f"{FIRST_ARM_GOAL_S:g} s)")  # fmt: skip
@@ -281,10 +281,10 @@ def page_head(fig: dict) -> list[str]:
         first += f" (compile cache carried: {meta['seed_cache']})"
     labels = [first] + [f"warm {i}" for i in range(2, n + 1)]
     arms = fig["arms"]
-    for key, _ in CARRIED:
+    for key, _, what in CARRIED:
         if key in fig:
             arms = [*arms, fig[key]]
-            labels.append(f"the machine's first with {CARRIED_WHAT[key]} (part 8)")
+            labels.append(f"the machine's first with {what} (part 8)")
     out += ["", "## Arms (bench_startup.py)", "", *arms_table(arms, labels)]
     out += [
         "",
