@@ -10,7 +10,7 @@ import pytest
 from helpers.command import moe_perf
 from helpers.repos import commit, git, make_repo
 
-from moe_perf.runner.bisect import BisectError, next_probe, parse_args
+from moe_perf.runner.bisect import BisectError, Bisection, Probe, next_probe, parse_args
 
 WORK_TRAINER = Path(__file__).parent / "helpers" / "work_trainer.py"
 # the step's CPU time: the measured work, unmoved by other processes on a shared test machine
@@ -90,6 +90,23 @@ def test_the_next_probe_is_the_untested_commit_nearest_the_middle():
     assert next_probe(2, 4, set()) == 3
     assert next_probe(2, 4, {3}) is None  # only skipped commits left
     assert next_probe(3, 4, set()) is None
+
+
+def test_a_probe_within_the_effect_is_good_whatever_its_word(tmp_path):
+    """A probe 5.6% faster than GOOD (interval -6.9% to -4.3%) against a +106% regression
+    (effect 50%) was DIFFERENT and ended a bisection once: it does not carry the regression."""
+    bisection = Bisection(tmp_path, "good", "bad", [], tmp_path, [], direction=1, effect=0.5)
+
+    def probe(word, estimate, low, high):
+        return Probe("sha", "subject", "dir", word, estimate, low, high, effect=0.5)
+
+    assert bisection.is_bad(probe("DIFFERENT", -0.056, -0.069, -0.043)) is False
+    assert bisection.is_bad(probe("DIFFERENT", 0.04, 0.01, 0.07)) is False
+    assert bisection.is_bad(probe("DIFFERENT", 1.0, 0.7, 1.4)) is True
+    assert bisection.is_bad(probe("DIFFERENT", -0.7, -0.9, -0.6)) is None  # the other way
+    assert bisection.is_bad(probe("DIFFERENT", 0.4, 0.1, 0.7)) is True  # across the effect
+    assert bisection.is_bad(probe("UNKNOWN", 0.1, -0.2, 0.7)) is None
+    assert bisection.is_bad(probe("SAME", 0.0, -0.1, 0.1)) is False
 
 
 def test_bisect_arguments():

@@ -9,7 +9,9 @@ between GOOD and BAD, as `git bisect --first-parent` does:
    regression's direction (slower or faster). Unless `compare.effect` is given, the probes
    that follow use half the regression as their effect (at most 50%): a commit is SAME when
    it is within half of the regression of GOOD.
-2. Then halving: a probe DIFFERENT in the regression's direction is bad, a SAME one good.
+2. Then halving: a probe DIFFERENT in the regression's direction is bad, a SAME one good, and
+   so is a DIFFERENT one whose whole interval lies within the effect (a machine's offset the
+   verdict resolves, not the regression).
    A probe whose arms fail (a broken build, a crash) is skipped, like `git bisect skip`; the
    next probe is the untested commit nearest the middle. An UNKNOWN probe (or a DIFFERENT one
    in the other direction) ends the bisection with the range narrowed so far, not a guess.
@@ -48,8 +50,15 @@ class Probe:
     estimate: float | None = None
     low: float | None = None
     high: float | None = None
+    effect: float | None = None  # the verdict's compare.effect
     pairs: int = 0
     failed: str | None = None  # why the probe could not measure (a failed arm, no verdict)
+
+    def within_effect(self) -> bool:
+        """Whether the whole interval lies within +/- the effect (a DIFFERENT verdict too:
+        the interval excludes zero, yet no change as large as the effect)."""
+        bounds = (self.low, self.high, self.effect)
+        return None not in bounds and max(abs(self.low), abs(self.high)) < self.effect
 
     def line(self) -> str:
         head = f"{self.sha[:10]} {self.subject[:50]}"
@@ -97,7 +106,7 @@ class Bisection:
 
     def is_bad(self, probe: Probe) -> bool | None:
         """True: carries the regression; False: does not; None: cannot tell (ends the search)."""
-        if probe.word == SAME:
+        if probe.word == SAME or probe.within_effect():
             return False
         if probe.word == DIFFERENT and probe.estimate is not None:
             return (probe.estimate > 0) == (self.direction > 0) or None
@@ -159,6 +168,7 @@ def read_verdict(probe: Probe, sweep_dir: Path, exit_code: int) -> None:
         return
     probe.word, probe.pairs = found.word, int(found.pairs)
     probe.estimate, probe.low, probe.high = found.estimate, found.low, found.high
+    probe.effect = found.effect
 
 
 def subject(repo: Path, sha: str) -> str:
