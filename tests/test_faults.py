@@ -20,6 +20,8 @@ import pytest
 from helpers.command import moe_perf, sweep_dir
 from helpers.repos import commit, git, make_repo
 
+from moe_perf.runner.session import end_sweep
+
 pytestmark = pytest.mark.slow
 
 # MODE picks the fault; the feature branch of a test repository commits another MODE.
@@ -308,6 +310,7 @@ def test_an_orphan_that_cannot_be_stopped_is_named_and_the_sweep_refused(tmp_pat
         while alive(trainer) and time.monotonic() < deadline:
             time.sleep(0.05)
         cgroup.rmdir()
+        end_sweep(sweep_dir(repo))  # the dead sweep's worktree, outside tmp_path
 
 
 @pytest.mark.parametrize("presses", [1, 2])

@@ -195,19 +195,25 @@ def test_a_killed_launch_takes_its_child_with_it(preloader, probe_dir, tmp_path)
 
 
 def test_the_server_exits_with_its_runner(tmp_path):
-    """A runner killed outright (SIGKILL) leaves no server running."""
+    """A runner killed outright (SIGKILL) leaves no server running, and no server directory."""
     runner = subprocess.Popen(
         [sys.executable, "-c", "import time\nfrom pathlib import Path\n"
          "from moe_perf.launchers.preload import Preloader\n"
          "p = Preloader(('json',)); p.warm(Path('.'), Path('.'), {}, None)\n"
-         "print(p.server.proc.pid, flush=True); time.sleep(60)"],
+         "print(p.server.proc.pid, p.server.directory, flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    server = int(runner.stdout.readline())
+    pid, directory = runner.stdout.readline().split()
+    server, directory = int(pid), Path(directory)
     assert alive(server)
+    deadline = time.monotonic() + 30
+    while not (directory / "socket").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)  # serving: the directory holds its socket and log
+    assert sorted(p.name for p in directory.iterdir()) == ["server.log", "socket"]
     runner.kill()
     runner.wait(10)
     assert gone_within(server, 10)
+    assert not directory.exists()
 
 
 def test_forkserver_is_run_by_path_and_imports_no_moe_perf():

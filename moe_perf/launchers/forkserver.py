@@ -16,7 +16,8 @@ module, and each arm imports its own worktree's. Stdlib only.
     python forkserver.py run SOCKET SERVER_PID INFO_JSON -- ARGV...
 
 `serve` imports the modules, then listens on SOCKET (which appears once they are imported),
-one arm at a time, and exits when RUNNER_PID, its parent, is gone. `run` is the arm's launch:
+one arm at a time, and exits when RUNNER_PID, its parent, is gone (removing the socket's
+directory, which that runner would have removed). `run` is the arm's launch:
 it hands its argv, environment, cwd and streams to the server, forwards the signals it gets to
 the child, and exits as the child did. Where the server cannot serve the arm (gone, an
 interpreter option, or a directory early on the arm's path that holds its own copy of a
@@ -253,6 +254,23 @@ def serve(path: str, parent: int, modules: list[str]) -> None:
     print(f"forkserver {os.getpid()}: {', '.join(modules)} imported in {server.import_s} s",
           flush=True)  # fmt: skip
     server.serve()
+    _remove_directory(path)
+
+
+def _remove_directory(path: str) -> None:
+    """The runner is gone, so nobody stops this server or removes its directory (the runner's
+    temporary one, holding the socket and this server's log): it goes now, if nothing else is
+    in it."""
+    directory = os.path.dirname(path)
+    for name in (path, os.path.join(directory, "server.log")):
+        try:
+            os.unlink(name)
+        except OSError:
+            pass
+    try:
+        os.rmdir(directory)
+    except OSError:
+        pass
 
 
 # ---- an arm's launch ------------------------------------------------------------------------
