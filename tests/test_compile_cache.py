@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from helpers.command import assert_ok, moe_perf, sweep_dir
-from helpers.repos import copy_of_moe_perf, git
+from helpers.repos import ROOT, copy_of_moe_perf, git, make_repo
 
 from moe_perf.runner import compile_cache
 
@@ -207,6 +207,36 @@ def test_bytecode_env_respects_the_users_own_choices(tmp_path, monkeypatch):
     monkeypatch.delenv("PYTHONPYCACHEPREFIX")
     monkeypatch.delenv("PYTHONDONTWRITEBYTECODE")
     assert compile_cache.bytecode_env() == {}
+
+
+def test_the_runner_keeps_its_own_bytecode_where_the_arms_keep_theirs(tmp_path):
+    """Under PYTHONDONTWRITEBYTECODE=1 the runner's own modules (moe_perf's, Hydra's) and the
+    comparison's are compiled once into the machine's bytecode directory and read from there by
+    the next command; where the user names a prefix of their own, nothing goes there."""
+    repo = make_repo(tmp_path / "repo")
+    xdg = tmp_path / "xdg"
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(xdg)}
+    tag = sys.implementation.cache_tag
+    own = xdg / "moe_perf" / "pycache" / ROOT.relative_to("/") / "moe_perf"
+    dry = ["wandb.mode=disabled", "dry_run=true", "-m", "arm=base,feat"]
+
+    assert_ok(moe_perf(repo, *dry, env=env))
+    app = own / "runner" / f"app.{tag}.pyc"
+    hydra = [p for p in (xdg / "moe_perf" / "pycache").rglob(f"hydra/__init__.{tag}.pyc")]
+    assert app.is_file() and len(hydra) == 1
+    written = {p: p.stat().st_mtime_ns for p in (app, hydra[0])}
+    assert_ok(moe_perf(repo, *dry, env=env))
+    assert {p: p.stat().st_mtime_ns for p in written} == written, "compiled again"
+
+    compare = subprocess.run([sys.executable, "-m", "moe_perf.compare", "--help"], cwd=repo,
+                             env={**os.environ, **env}, capture_output=True, text=True)  # fmt: skip
+    assert compare.returncode == 0, compare.stderr
+    assert (own / "report" / f"cli.{tag}.pyc").is_file()
+
+    other = tmp_path / "xdg-other"  # their own prefix: theirs (and, with the setting, unused)
+    theirs = {**env, "PYTHONPYCACHEPREFIX": str(tmp_path / "mine"), "XDG_CACHE_HOME": str(other)}
+    assert_ok(moe_perf(repo, *dry, env=theirs))
+    assert not (other / "moe_perf" / "pycache").exists() and not (tmp_path / "mine").exists()
 
 
 def _prefix_env(tmp_path: Path) -> dict[str, str]:

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from moe_perf.common.errors import ARM_FAILED
 from moe_perf.report.results.arm import ArmRecord
-from moe_perf.runner import bisect, presets
+from moe_perf.runner import bisect, compile_cache, presets
 from moe_perf.runner.arm import run_arm
 from moe_perf.runner.hydra_jobs import current_job
 from moe_perf.runner.job import say
@@ -86,6 +86,7 @@ def flags_first(argv: list[str]) -> list[str]:
 
 def main() -> None:
     """The `moe-perf` console script and `python -m moe_perf`."""
+    compile_cache.keep_runner_bytecode()  # the console script's imports so far were compiled
     if sys.argv[1:] == ["list"]:
         print(presets.listing(config_dir()), end="")
         return

@@ -103,6 +103,20 @@ def bytecode_env() -> dict[str, str]:
     return {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(moe_perf_cache() / "pycache")}
 
 
+def keep_runner_bytecode() -> None:
+    """The runner's own bytecode kept where the arms keep theirs (bytecode_env), for the rest of
+    this process. Under the same setting the runner compiles every module it imports too: in a
+    sweep about 1,300 (Hydra, numpy, moe_perf; scipy and matplotlib for the comparison), which
+    took 2.3 s more for the end-of-sweep comparison alone on a 2-core VM where the packages came
+    without bytecode (docs/benchmarks/runner-bytecode-cpu-2026-12.md). Only this process: its
+    environment, which every launch inherits, is left as it is. Modules imported before this
+    call are compiled as before."""
+    env = bytecode_env()
+    if env:
+        sys.pycache_prefix = env["PYTHONPYCACHEPREFIX"]
+        sys.dont_write_bytecode = False
+
+
 # The installed packages a trainer imports by the thousand modules: torch, what torch imports
 # (sympy, networkx, mpmath, numpy, jinja2) and Triton (to compile). The same modules bytecode_env
 # makes every fresh machine's first arm compile, one after the other, before its first line runs:
