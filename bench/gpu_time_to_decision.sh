@@ -22,7 +22,10 @@
 #      Triton: a copy of part 1's cache loaded by an arm whose bytecode directory is empty
 #      (a fresh XDG_CACHE_HOME), then by one given a copy of part 1's bytecode directory too
 #      (where the arms keep one: compile_cache.bytecode_env), each after the page cache is
-#      dropped where this user may (root).
+#      dropped where this user may (root);
+#   9. right after part 5: the runner's own imports with its bytecode kept in the machine's
+#      cache or compiled anew, before a sweep's first arm (a dry run) and after its last (the
+#      comparison of part 5's first sweep) (bench/bench_runner_bytecode.py).
 # Shapes: 4-layer qwen3-30b-a3b, seq 2048, global batch 32, micro-batch 8, compiled, 10 steps.
 #
 #   bash bench/gpu_time_to_decision.sh OUT_DIR [--dry-run | --smoke]
@@ -34,7 +37,7 @@
 # --dry-run prints every part's command and runs nothing; --smoke runs the same parts at the
 # tiny model's CPU shapes (the plumbing, not figures; part 5's sweeps of one pair, the page
 # cache left alone). Environment:
-# SWITCH, PARTS (the parts after 1 to run, default "2 3 4 5 6 7 8"), PRELOAD_ORDER (part 5's
+# SWITCH, PARTS (the parts after 1 to run, default "2 3 4 5 6 7 8 9"), PRELOAD_ORDER (part 5's
 # sweeps, default "off on on off"), PYTHON (python3), BUDGET_S (480: an optional part starts
 # only if its estimate ends before it), TITAN_TREE, WORK, COMMIT (recorded instead of the
 # tree's HEAD: a copied tree's .git may be stale), SEED_CACHE (a compile cache another machine
@@ -53,7 +56,7 @@ HERE=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 BUDGET_S=${BUDGET_S:-480}
 SWITCH=${SWITCH:-trainer.early_cuda_context}
-PARTS=${PARTS:-2 3 4 5 6 7 8}  # part 1 always runs: its arms fill the compile cache the others load
+PARTS=${PARTS:-2 3 4 5 6 7 8 9}  # part 1 always runs: its arms fill the compile cache the others load
 DRY=false
 [[ $MODE == --dry-run ]] && DRY=true
 if ! $DRY && [[ -d $OUT && -n $(ls -A "$OUT") ]]; then
@@ -69,13 +72,14 @@ if [[ $MODE == --smoke ]]; then
   TRAINER=(--model tiny --layers 2 --seq 64 --global-batch 4 --micro-batch 2 --steps 3 --eager
            --device cpu --launcher python)
   FIRST_RUNS=2 WARM_ORDER=(off on) STEP_ORDER=(bf16) PRELOAD_ORDER=(off on) SWEEP_PAIRS=1
+  BYTECODE_RUNS=1
   STEP_TIMEOUT=300
 else
   STARTUP=(--set training.micro_batch=8 --set training.max_steps=10 --set timeout_s=240)
   TRAINER=(--layers 4 --seq 2048 --global-batch 32 --micro-batch 8 --steps 10)
   FIRST_RUNS=3 WARM_ORDER=(off on on off) STEP_ORDER=(bf16 fp8 fp8mw fp8mw fp8 bf16)
   read -ra PRELOAD_ORDER <<<"${PRELOAD_ORDER:-off on on off}"
-  SWEEP_PAIRS=2
+  SWEEP_PAIRS=2 BYTECODE_RUNS=3
   STEP_TIMEOUT=300
 fi
 # one warm arm attributed: every thread's stack every 5 ms, the trainer's imports timed
@@ -269,6 +273,14 @@ want 5 && for switch in "${PRELOAD_ORDER[@]}"; do
   run "$LABEL" "$PY" "$HERE/bench/bench_startup.py" "$WORK/preload/$switch-${LABEL##*-}" --runs 1 \
     --pairs "$SWEEP_PAIRS" "${STARTUP[@]}" --cache "$CACHE" --warm --set "launcher.preload=$value"
 done
+
+echo "== 9. the runner's own imports, its bytecode kept or compiled anew"
+if want 9; then
+  sweep=""  # part 5's first sweep, compared again; else the bench makes one of its own
+  for dir in "$WORK"/preload/*/run1; do [[ -d $dir ]] && sweep=$dir && break; done
+  run runner-bytecode "$PY" "$HERE/bench/bench_runner_bytecode.py" "$WORK/runner-bytecode" \
+    --runs "$BYTECODE_RUNS" ${sweep:+--sweep "$sweep"}
+fi
 
 echo "== 6. if time is left: $SWITCH on cold arms; torchtitan"
 if [[ $MODE != --smoke ]] && want 6; then

@@ -8,10 +8,12 @@ warmup/<variant><i>/ and cold/ (the switch off and on, one arm each), breakdown/
 arm with sampled stacks and import times), breakdown-cold/run1 (the same, compile caches empty),
 trainer/<variant>-<i>/ (bench_trainer.py: bf16, fp8, fp8 over master weights),
 preload/<off|on>-<i>/ (bench_startup.py --pairs 2: one sweep of four arms with launcher.preload
-off or on), titan/bench.txt (torchtitan, when it ran) and skipped.txt (what did not run, and
-why). Writes OUT/summary.md, OUT/figures.json, OUT/breakdown.txt and OUT/breakdown-cold.txt;
-parts that did not run are left out and skipped.txt says why. It reports medians, ranges and
-differences; it decides nothing (a switch's default changes on the project's verdict, not here).
+off or on), runner-bytecode/ (bench_runner_bytecode.py: the runner's own imports, its bytecode
+kept or compiled anew), titan/bench.txt (torchtitan, when it ran) and skipped.txt (what did not
+run, and why). Writes OUT/summary.md, OUT/figures.json, OUT/breakdown.txt and
+OUT/breakdown-cold.txt; parts that did not run are left out and skipped.txt says why. It
+reports medians, ranges and differences; it decides nothing (a switch's default changes on the
+project's verdict, not here).
 """
 
 from __future__ import annotations
@@ -175,6 +177,11 @@ def figures(work: Path) -> dict:
             **{k: spread(later, k) for k in ("arm_s", "step1_s", "not_measured_s")},
             "under_goal": sum(a["arm_s"] < WARM_ARM_GOAL_S for a in later),
         }
+    walls = (read_json(work / "runner-bytecode" / "runner_bytecode.json") or {}).get("walls_s")
+    if walls:
+        fig["runner_bytecode"] = {condition: {name: spread([{"s": w} for w in values], "s")
+                                              for name, values in commands.items()}
+                                  for condition, commands in walls.items()}  # fmt: skip
     steps = variants(work / "trainer", trainer_run)
     fig["trainer"] = steps
     if steps.get("fp8") and steps.get("fp8mw"):
@@ -302,7 +309,20 @@ def page_head(fig: dict) -> list[str]:
             out += helpers_lines(fig[key]["on"])
     if "preload_ab" in fig:
         out += ["", *preload_lines(fig["preload_ab"])]
+    if "runner_bytecode" in fig:
+        out += ["", *runner_bytecode_lines(fig["runner_bytecode"])]
     return out
+
+
+def runner_bytecode_lines(walls: dict) -> list[str]:
+    def cell(s: dict) -> str:
+        return f"{s['median']:.2f} s [{s['min']:.2f}-{s['max']:.2f}], n={s['n']}"
+
+    lines = ["## The runner's own imports (bench_runner_bytecode.py)", "",
+             "| command | bytecode kept | compiled anew |", "| --- | ---: | ---: |"]  # fmt: skip
+    for name in walls["kept"]:
+        lines.append(f"| {name} | {cell(walls['kept'][name])} | {cell(walls['compiled'][name])} |")
+    return lines
 
 
 def preload_lines(pre: dict) -> list[str]:

@@ -78,7 +78,10 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
     sweeps = ["sweep-off-1", "sweep-on-1", "sweep-on-2", "sweep-off-2"]
     cold = ["cold-off", "cold-on", "breakdown-cold"]
     carried = ["carried", "carried-bytecode"]
-    assert list(plan) == ["startup", *carried, *warm, "breakdown", *steps, *sweeps, *cold]
+    assert list(plan) == ["startup", *carried, *warm, "breakdown", *steps, *sweeps,
+                          "runner-bytecode", *cold]  # fmt: skip
+    assert plan["runner-bytecode"][1].endswith("bench/bench_runner_bytecode.py")
+    assert values_after(plan["runner-bytecode"], "--runs") == ["3"]
     assert "not run: torchtitan" in result.stdout
 
     for label in ["startup", *carried, *warm, "breakdown", *sweeps, *cold]:
@@ -159,7 +162,15 @@ def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
     assert pre["warm"]["loss_diff"]["across"] == 0.0
     assert pre["warm"]["arm_s"]["on"]["max"] < pre["warm"]["arm_s"]["off"]["min"]
     assert fig["preload_warm"]["arm_s"] == pre["warm"]["arm_s"]["on"]  # the goal's figure
+    # part 9: part 5's first sweep compared again, each command once in each condition
+    assert values_after(planned(result.stdout)["runner-bytecode"], "--sweep") == [
+        str(work / "preload" / "off-1" / "run1")]  # fmt: skip
+    walls = fig["runner_bytecode"]
+    assert {c: sorted(walls[c]) for c in walls} == {c: ["compare", "dry run"]
+                                                    for c in ("kept", "compiled")}  # fmt: skip
+    assert all(w["n"] == 1 and w["median"] > 0 for c in walls.values() for w in c.values())
     page = (out / "summary.md").read_text()
     assert "## Arms (bench_startup.py)" in page and "trainer.warm_attention" in page
+    assert "## The runner's own imports (bench_runner_bytecode.py)" in page
     assert "sampled stacks, step 1" in (out / "breakdown.txt").read_text()
     assert fig["skipped"] == [] and fig["meta"]["mode"] == "--smoke"
