@@ -288,3 +288,63 @@ def test_an_interrupted_arm_kills_the_pool_and_leaves_no_marker(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.killpg(pool.pid, 0)  # its workers went with it
     assert not list((tmp_path / "pycache").glob(".compiled-*"))
+
+
+def _switched_on(monkeypatch, tmp_path: Path, value: str = "start") -> Path:
+    """The runner's environment: bytecode kept in the machine's prefix, the switch set."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv(compile_cache.POOL_SWITCH, value)
+    return tmp_path / "moe_perf" / "pycache"
+
+
+@pytest.mark.slow
+def test_the_pool_started_with_the_command_is_the_one_the_first_arm_waits_for(
+    tmp_path, monkeypatch
+):
+    pycache = _switched_on(monkeypatch, tmp_path)
+    early = compile_cache.start_bytecode_pool(("jinja2",), cores=8)
+    assert early is not None
+    assert compile_cache.start_bytecode_pool(("jinja2",), cores=8) is early  # once a process
+    arm_env = compile_cache.bytecode_env()  # what the arm's environment adds
+    with compile_cache.bytecode_compiled(arm_env, ("jinja2",), cores=8) as pool:
+        assert pool is early  # no second pool
+    assert early.returncode == 0
+    (jinja_dir,) = compile_cache.package_dirs(("jinja2",))
+    assert len(list((pycache / jinja_dir[1:]).rglob("*.pyc"))) == len(
+        list(Path(jinja_dir).rglob("*.py")))  # fmt: skip
+    assert len(list(pycache.glob(".compiled-*"))) == 1  # the next arm starts none
+    assert compile_cache.start_bytecode_pool(("jinja2",), cores=8) is None
+
+
+def test_the_pool_starts_early_only_where_switched_on_and_the_arms_would_start_it(
+    tmp_path, monkeypatch
+):
+    _switched_on(monkeypatch, tmp_path, value="arm")
+    assert compile_cache.start_bytecode_pool(("jinja2",), cores=8) is None  # not switched on
+    monkeypatch.setenv(compile_cache.POOL_SWITCH, "start")
+    assert compile_cache.start_bytecode_pool(("jinja2",), cores=2) is None  # a small host
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "theirs"))  # their prefix: theirs
+    assert compile_cache.start_bytecode_pool(("jinja2",), cores=8) is None
+    assert not (tmp_path / "moe_perf").exists()
+
+
+@pytest.mark.slow
+def test_a_command_that_ends_before_its_pool_kills_it_and_leaves_no_marker(tmp_path):
+    """A dry run, a refusal: the command exits while the pool it started early still compiles
+    (torch's thousands of modules); the pool goes with it, its workers too."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(tmp_path),
+           compile_cache.POOL_SWITCH: "start"}  # fmt: skip
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    done = subprocess.run(
+        [sys.executable, "-c", "from moe_perf.runner import compile_cache\n"
+         "pool = compile_cache.start_bytecode_pool(('torch',), cores=8)\n"
+         "print(pool.pid, pool.poll() is None, flush=True)"],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    pid, running = done.stdout.split()
+    assert running == "True"  # still compiling when the command ended
+    with pytest.raises(ProcessLookupError):
+        os.killpg(int(pid), 0)
+    assert not list((tmp_path / "moe_perf" / "pycache").glob(".compiled-*"))

@@ -87,6 +87,7 @@ def flags_first(argv: list[str]) -> list[str]:
 def main() -> None:
     """The `moe-perf` console script and `python -m moe_perf`."""
     compile_cache.keep_runner_bytecode()  # the console script's imports so far were compiled
+    compile_cache.start_bytecode_pool()  # where `python -m moe_perf` did not start it already
     if sys.argv[1:] == ["list"]:
         print(presets.listing(config_dir()), end="")
         return

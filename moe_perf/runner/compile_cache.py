@@ -20,6 +20,7 @@ out by default (trainer/runtime.py, cache_custom_autograd_functions).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import importlib.util
@@ -28,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +140,20 @@ def package_dirs(names=BYTECODE_PACKAGES) -> list[str]:
     return found
 
 
-@contextlib.contextmanager
-def bytecode_compiled(env: dict[str, str], packages=BYTECODE_PACKAGES,
-                      cores: int | None = None):  # fmt: skip
-    """While an arm runs: where its environment keeps bytecode in the machine's prefix
-    (bytecode_env) and these packages' bytecode is not there yet, compile it there with every
-    core (`python -m compileall -j 0`), beside the trainer, which then finds most of the
-    modules it imports compiled instead of compiling them one by one. Once per prefix, Python
-    and set of installed package versions: a marker file, written when the pool has finished,
-    keeps later arms from starting it; hosts of fewer than BYTECODE_POOL_MIN_CORES cores never
-    start it. The arm's end waits for the pool (done by then on such a host); an interrupted
-    arm kills it (what it wrote stays, and compileall skips it next time)."""
+# MOE_PERF_BYTECODE_POOL=start: the pool starts when the command does, before Hydra composes
+# anything, instead of with the arm; it then has the runner's own start-up (its imports, the
+# composition, the pre-flight, the worktree: 1-3 s) to compile ahead of the trainer's imports.
+# Decided from the environment because it comes before any config. Off unless set: on one H100
+# the machine's first arm still reached the trainer's `main` 2.8 s after a warm arm with the pool
+# started beside it (docs/benchmarks/startup-switches-h100-2026-12.md); what the earlier start
+# gives is part 8 of bench/gpu_time_to_decision.sh, not yet measured.
+POOL_SWITCH = "MOE_PERF_BYTECODE_POOL"
+_POOLS: dict[Path, subprocess.Popen] = {}  # this process's pools, by marker, until an arm ends
+
+
+def _pool_plan(env: dict[str, str], packages, cores: int | None) -> tuple[list[str], Path] | None:
+    """(package directories, marker) where `env` keeps bytecode in the machine's prefix, the
+    host has BYTECODE_POOL_MIN_CORES and the pool has not finished there yet; else None."""
     prefix = env.get("PYTHONPYCACHEPREFIX")
     cores = (os.cpu_count() or 1) if cores is None else cores
     dirs = package_dirs(packages) if prefix and "PYTHONDONTWRITEBYTECODE" in env else []
@@ -156,8 +161,13 @@ def bytecode_compiled(env: dict[str, str], packages=BYTECODE_PACKAGES,
                          .encode()).hexdigest()[:16]  # fmt: skip
     marker = Path(prefix or ".") / f".compiled-{key}"
     if not dirs or cores < BYTECODE_POOL_MIN_CORES or marker.exists():
-        yield None
-        return
+        return None
+    return dirs, marker
+
+
+def _start_pool(env: dict[str, str], dirs: list[str], marker: Path) -> subprocess.Popen:
+    """The pool, its marker written as soon as it has finished (by a thread: another command
+    of the machine, e.g. a bisection's sweep, then finds it at once)."""
     # quiet: a package's files for another Python version fail to compile (never imported)
     pool = subprocess.Popen(
         [sys.executable, "-m", "compileall", "-q", "-j", "0", *dirs],
@@ -166,17 +176,75 @@ def bytecode_compiled(env: dict[str, str], packages=BYTECODE_PACKAGES,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    finished = False
+    _POOLS[marker] = pool
+    threading.Thread(target=_mark_when_done, args=(pool, marker), daemon=True).start()
+    return pool
+
+
+def _mark_when_done(pool: subprocess.Popen, marker: Path) -> None:
+    if pool.wait() >= 0:  # finished; not killed
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+
+def _end_pool(marker: Path, pool: subprocess.Popen) -> None:
+    """A finished pool's marker written (now, not when its thread gets to it); an unfinished one
+    killed (its own session: its workers go with it; what it wrote stays, and compileall skips
+    it next time)."""
+    _POOLS.pop(marker, None)
+    if pool.poll() is None:
+        os.killpg(pool.pid, signal.SIGKILL)
+        pool.wait()
+    _mark_when_done(pool, marker)
+
+
+def _end_pools_at_exit() -> None:
+    for marker, pool in list(_POOLS.items()):
+        _end_pool(marker, pool)
+
+
+def start_bytecode_pool(packages=BYTECODE_PACKAGES, cores: int | None = None,
+                        ) -> subprocess.Popen | None:  # fmt: skip
+    """Under MOE_PERF_BYTECODE_POOL=start, the pool `bytecode_compiled` would start with the
+    machine's first arm, started now, for the bytecode directory of the runner's environment
+    (bytecode_env), under the same conditions. The arm that follows waits for it as for its own;
+    a command that ends first (a dry run, a refusal, compile_cache=off) kills it if unfinished.
+    Once per process; None where it does not start."""
+    if os.environ.get(POOL_SWITCH) != "start":
+        return None
+    plan = _pool_plan(bytecode_env(), packages, cores)
+    if plan is None:
+        return None
+    dirs, marker = plan
+    if marker in _POOLS:
+        return _POOLS[marker]
+    atexit.register(_end_pools_at_exit)
+    return _start_pool(bytecode_env(), dirs, marker)
+
+
+@contextlib.contextmanager
+def bytecode_compiled(env: dict[str, str], packages=BYTECODE_PACKAGES,
+                      cores: int | None = None):  # fmt: skip
+    """While an arm runs: where its environment keeps bytecode in the machine's prefix
+    (bytecode_env) and these packages' bytecode is not there yet, compile it there with every
+    core (`python -m compileall -j 0`), beside the trainer, which then finds most of the
+    modules it imports compiled instead of compiling them one by one; or, where the command
+    started that pool already (start_bytecode_pool), that one. Once per prefix, Python and set
+    of installed package versions: a marker file, written when the pool has finished, keeps
+    later arms from starting it; hosts of fewer than BYTECODE_POOL_MIN_CORES cores never start
+    it. The arm's end waits for the pool (done by then on such a host); an interrupted arm
+    kills it (what it wrote stays, and compileall skips it next time)."""
+    plan = _pool_plan(env, packages, cores)
+    if plan is None:
+        yield None
+        return
+    dirs, marker = plan
+    pool = _POOLS.get(marker) or _start_pool(env, dirs, marker)
     try:
         yield pool
         pool.wait()
-        finished = True
     finally:
-        if not finished:  # its own session: the pool's workers go with it
-            os.killpg(pool.pid, signal.SIGKILL)
-            pool.wait()
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
+        _end_pool(marker, pool)
 
 
 def bytecode_dir_of(env: dict[str, str], directory: Path) -> Path | None:
