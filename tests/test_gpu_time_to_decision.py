@@ -172,6 +172,14 @@ def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
     assert {c: sorted(walls[c]) for c in walls} == {c: ["compare", "dry run"]
                                                     for c in ("kept", "compiled")}  # fmt: skip
     assert all(w["n"] == 1 and w["median"] > 0 for c in walls.values() for w in c.values())
+    tag = sys.implementation.cache_tag  # only the kept condition left the runner's bytecode
+    kept = work / "runner-bytecode" / "xdg" / "moe_perf" / "pycache"
+    assert len(list(kept.rglob(f"moe_perf/report/cli.{tag}.pyc"))) == 1
+    assert not (work / "runner-bytecode" / "empty").exists()
+    # a copy was compared again (its plot rewritten there), part 5's sweep left as it was
+    compared = work / "runner-bytecode" / "sweep" / "comparison.md"
+    part5 = work / "preload" / "off-1" / "run1" / "comparison.md"
+    assert compared.stat().st_mtime_ns > part5.stat().st_mtime_ns
     page = (out / "summary.md").read_text()
     assert "## Arms (bench_startup.py)" in page and "trainer.warm_attention" in page
     assert "## The runner's own imports (bench_runner_bytecode.py)" in page
