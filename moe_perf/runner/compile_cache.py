@@ -109,8 +109,8 @@ def keep_runner_bytecode() -> None:
     """The runner's own bytecode kept where the arms keep theirs (bytecode_env), for the rest of
     this process. Under the same setting the runner compiles every module it imports too: in a
     sweep about 1,300 (Hydra, numpy, moe_perf; scipy and matplotlib for the comparison), which
-    took 2.3 s more for the end-of-sweep comparison alone on a 2-core VM where the packages came
-    without bytecode (docs/benchmarks/runner-bytecode-cpu-2026-12.md). Only this process: its
+    took about 1.9 s of a sweep on a 2-core VM where the packages came without bytecode
+    (docs/benchmarks/runner-bytecode-cpu-2026-12.md). Only this process: its
     environment, which every launch inherits, is left as it is. Modules imported before this
     call are compiled as before."""
     env = bytecode_env()
