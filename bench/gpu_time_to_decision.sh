@@ -20,8 +20,8 @@
 #   8. run right after part 1, while the machine is nearly fresh: the machine's first arm as it
 #      would be with a compile cache carried from another machine of the same GPU, torch and
 #      Triton: a copy of part 1's cache loaded by an arm whose bytecode directory is empty
-#      (a fresh XDG_CACHE_HOME), the same with MOE_PERF_BYTECODE_POOL=start (the bytecode pool
-#      started with the command, not with the arm), then by one given a copy of part 1's
+#      (a fresh XDG_CACHE_HOME), the same with MOE_PERF_BYTECODE_POOL=arm (the bytecode pool
+#      started with the arm, not with the command), then by one given a copy of part 1's
 #      bytecode directory too (where the arms keep one: compile_cache.bytecode_env), each after
 #      the page cache is dropped where this user may (root);
 #   9. right after part 5: the runner's own imports with its bytecode kept in the machine's
@@ -229,14 +229,14 @@ if want 8; then
   drop_page_cache
   run carried "$PY" "$HERE/bench/bench_startup.py" "$WORK/carried" --runs 1 "${STARTUP[@]}" \
     --cache "$WORK/cache-carried" --warm --env "XDG_CACHE_HOME=$WORK/xdg-fresh"
-  # the same with the bytecode pool started when the command starts (compile_cache.POOL_SWITCH)
+  # the same with the bytecode pool started with the arm, not the command (compile_cache.POOL_SWITCH)
   if ! $DRY; then
     rm -rf "$WORK/cache-carried3" "$WORK/xdg-fresh-pool" && cp -r "$CACHE" "$WORK/cache-carried3"
   fi
   drop_page_cache
-  run carried-early-pool "$PY" "$HERE/bench/bench_startup.py" "$WORK/carried-early-pool" --runs 1 \
+  run carried-arm-pool "$PY" "$HERE/bench/bench_startup.py" "$WORK/carried-arm-pool" --runs 1 \
     "${STARTUP[@]}" --cache "$WORK/cache-carried3" --warm --env "XDG_CACHE_HOME=$WORK/xdg-fresh-pool" \
-    --env MOE_PERF_BYTECODE_POOL=start
+    --env MOE_PERF_BYTECODE_POOL=arm
   if [[ -z $pycache ]]; then
     note "part 8, bytecode carried: the arms keep no bytecode directory here (Python writes it beside the sources)"
   else

@@ -35,9 +35,9 @@ from moe_perf.common import contract  # noqa: E402
 WARM_ARM_GOAL_S, FIRST_ARM_GOAL_S = 8.0, 15.0
 # part 8's arms: figures key, folder under WORK, what was carried
 CARRIED = (("carried", "carried", "a carried compile cache, bytecode directory empty"),
-           ("carried_early_pool", "carried-early-pool",
-            "a carried compile cache, bytecode directory empty, its pool started with the command "
-            "(MOE_PERF_BYTECODE_POOL=start)"),
+           ("carried_arm_pool", "carried-arm-pool",
+            "a carried compile cache, bytecode directory empty, its pool started with the arm "
+            "(MOE_PERF_BYTECODE_POOL=arm)"),
            ("carried_bytecode", "carried-bytecode",
             "a carried compile cache and bytecode directory"))  # fmt: skip
 

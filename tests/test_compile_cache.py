@@ -291,7 +291,7 @@ def test_an_interrupted_arm_kills_the_pool_and_leaves_no_marker(tmp_path):
 
 
 def _switched_on(monkeypatch, tmp_path: Path, value: str = "start") -> Path:
-    """The runner's environment: bytecode kept in the machine's prefix, the switch set."""
+    """The runner's environment: bytecode kept in the machine's prefix, the pool's start set."""
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -318,25 +318,35 @@ def test_the_pool_started_with_the_command_is_the_one_the_first_arm_waits_for(
     assert compile_cache.start_bytecode_pool(("jinja2",), cores=8) is None
 
 
-def test_the_pool_starts_early_only_where_switched_on_and_the_arms_would_start_it(
+def test_the_pool_starts_early_only_where_the_arms_would_start_it_and_not_when_told_arm(
     tmp_path, monkeypatch
 ):
     _switched_on(monkeypatch, tmp_path, value="arm")
-    assert compile_cache.start_bytecode_pool(("jinja2",), cores=8) is None  # not switched on
-    monkeypatch.setenv(compile_cache.POOL_SWITCH, "start")
+    assert compile_cache.start_bytecode_pool(("jinja2",), cores=8) is None  # with the arm
+    monkeypatch.delenv(compile_cache.POOL_SWITCH)  # the default: with the command
     assert compile_cache.start_bytecode_pool(("jinja2",), cores=2) is None  # a small host
     monkeypatch.setenv("PYTHONPYCACHEPREFIX", str(tmp_path / "theirs"))  # their prefix: theirs
     assert compile_cache.start_bytecode_pool(("jinja2",), cores=8) is None
     assert not (tmp_path / "moe_perf").exists()
 
 
+def test_a_bad_pool_setting_is_refused_before_anything_starts(tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    result = moe_perf(repo, "wandb.mode=disabled", "-m", "arm=base,feat",
+                      env={compile_cache.POOL_SWITCH: "early"})  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert "MOE_PERF_BYTECODE_POOL='early'" in line and "`start`" in line and "`arm`" in line
+    assert not (repo / "outputs").exists()
+
+
 @pytest.mark.slow
 def test_a_command_that_ends_before_its_pool_kills_it_and_leaves_no_marker(tmp_path):
-    """A dry run, a refusal: the command exits while the pool it started early still compiles
-    (torch's thousands of modules); the pool goes with it, its workers too."""
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(tmp_path),
-           compile_cache.POOL_SWITCH: "start"}  # fmt: skip
+    """A dry run, a refusal: the command exits while the pool it started early (by default)
+    still compiles (torch's thousands of modules); the pool goes with it, its workers too."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "XDG_CACHE_HOME": str(tmp_path)}
     env.pop("PYTHONPYCACHEPREFIX", None)
+    env.pop(compile_cache.POOL_SWITCH, None)
     done = subprocess.run(
         [sys.executable, "-c", "from moe_perf.runner import compile_cache\n"
          "pool = compile_cache.start_bytecode_pool(('torch',), cores=8)\n"

@@ -77,7 +77,7 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
              "step-bf16-2"]  # fmt: skip
     sweeps = ["sweep-off-1", "sweep-on-1", "sweep-on-2", "sweep-off-2"]
     cold = ["cold-off", "cold-on", "breakdown-cold"]
-    carried = ["carried", "carried-early-pool", "carried-bytecode"]
+    carried = ["carried", "carried-arm-pool", "carried-bytecode"]
     assert list(plan) == ["startup", *carried, *warm, "breakdown", *steps, *sweeps,
                           "runner-bytecode", *cold]  # fmt: skip
     assert plan["runner-bytecode"][1].endswith("bench/bench_runner_bytecode.py")
@@ -101,9 +101,9 @@ def test_the_dry_run_plans_every_part_and_runs_nothing(tmp_path):
     # copy of part 1's
     assert values_after(plan["carried"], "--cache") == ["<WORK>/cache-carried"]
     assert values_after(plan["carried"], "--env") == ["XDG_CACHE_HOME=<WORK>/xdg-fresh"]
-    assert values_after(plan["carried-early-pool"], "--cache") == ["<WORK>/cache-carried3"]
-    assert values_after(plan["carried-early-pool"], "--env") == [
-        "XDG_CACHE_HOME=<WORK>/xdg-fresh-pool", "MOE_PERF_BYTECODE_POOL=start"]  # fmt: skip
+    assert values_after(plan["carried-arm-pool"], "--cache") == ["<WORK>/cache-carried3"]
+    assert values_after(plan["carried-arm-pool"], "--env") == [
+        "XDG_CACHE_HOME=<WORK>/xdg-fresh-pool", "MOE_PERF_BYTECODE_POOL=arm"]  # fmt: skip
     assert values_after(plan["carried-bytecode"], "--cache") == ["<WORK>/cache-carried2"]
     assert values_after(plan["carried-bytecode"], "--env") == ["XDG_CACHE_HOME=<WORK>/xdg-carried"]
     switch = {label: dict(v.partition("=")[::2] for v in values_after(plan[label], "--set"))
@@ -152,7 +152,7 @@ def test_the_smoke_run_writes_what_the_device_brings_back(tmp_path):
     assert ab["off"][0]["attention_warm_up"] is None
     assert ab["compare"]["loss_diff"]["across"] == 0.0  # the switch leaves the numerics
     assert fig["trainer"]["bf16"][0]["tokens_per_s"] > 0
-    for key in ("carried", "carried_early_pool", "carried_bytecode"):  # part 8 (page cache kept)
+    for key in ("carried", "carried_arm_pool", "carried_bytecode"):  # part 8 (page cache kept)
         carried = fig[key]
         assert carried["page_cache"] == "kept (--smoke)"
         assert carried["arm_s"] > carried["measured_s"] and carried["main_s"] > 0

@@ -33,6 +33,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from moe_perf.common.errors import REFUSED
 from moe_perf.runner import git
 
 # Forced on, whatever the runner's environment says (both are on by default in torch >= 2.5).
@@ -140,14 +141,16 @@ def package_dirs(names=BYTECODE_PACKAGES) -> list[str]:
     return found
 
 
-# MOE_PERF_BYTECODE_POOL=start: the pool starts when the command does, before Hydra composes
-# anything, instead of with the arm; it then has the runner's own start-up (its imports, the
-# composition, the pre-flight, the worktree: 1-3 s) to compile ahead of the trainer's imports.
-# Decided from the environment because it comes before any config. Off unless set: on one H100
-# the machine's first arm still reached the trainer's `main` 2.8 s after a warm arm with the pool
-# started beside it (docs/benchmarks/startup-switches-h100-2026-12.md); what the earlier start
-# gives is part 8 of bench/gpu_time_to_decision.sh, not yet measured.
+# MOE_PERF_BYTECODE_POOL: when the pool starts. `start` (the default): when the command does,
+# before Hydra composes anything, so it has the runner's own start-up (its imports, the
+# composition, the pre-flight, the worktree) to compile ahead of the trainer's imports; `arm`:
+# with the arm, beside the trainer. Decided from the environment because it comes before any
+# config. On one H100, the machine's first arm with a carried compile cache and an empty bytecode
+# directory (page cache dropped), in four pairs, two in the order arm, start and two in ABBA
+# order: 0.4-1.2 s less of arm and 0.2-1.5 s less of command with `start` in all four
+# (docs/benchmarks/first-arm-h100-2026-12.md).
 POOL_SWITCH = "MOE_PERF_BYTECODE_POOL"
+POOL_STARTS = ("start", "arm")  # the first is the default
 _POOLS: dict[Path, subprocess.Popen] = {}  # this process's pools, by marker, until an arm ends
 
 
@@ -205,12 +208,19 @@ def _end_pools_at_exit() -> None:
 
 def start_bytecode_pool(packages=BYTECODE_PACKAGES, cores: int | None = None,
                         ) -> subprocess.Popen | None:  # fmt: skip
-    """Under MOE_PERF_BYTECODE_POOL=start, the pool `bytecode_compiled` would start with the
-    machine's first arm, started now, for the bytecode directory of the runner's environment
+    """The pool `bytecode_compiled` would start with the machine's first arm, started now (unless
+    MOE_PERF_BYTECODE_POOL=arm), for the bytecode directory of the runner's environment
     (bytecode_env), under the same conditions. The arm that follows waits for it as for its own;
     a command that ends first (a dry run, a refusal, compile_cache=off) kills it if unfinished.
-    Once per process; None where it does not start."""
-    if os.environ.get(POOL_SWITCH) != "start":
+    Once per process; None where it does not start. Any other value of the variable ends the
+    command, before anything starts, with a line that says the values it takes."""
+    when = os.environ.get(POOL_SWITCH) or POOL_STARTS[0]
+    if when not in POOL_STARTS:
+        print(f"[moe_perf] cannot run: {POOL_SWITCH}={when!r}: set it to `start` (the default: "
+              f"the bytecode pool starts with the command) or `arm` (with the machine's first "
+              f"arm)", file=sys.stderr, flush=True)  # fmt: skip
+        raise SystemExit(REFUSED)
+    if when == "arm":
         return None
     plan = _pool_plan(bytecode_env(), packages, cores)
     if plan is None:
