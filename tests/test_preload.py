@@ -324,7 +324,7 @@ def test_an_interrupted_sweep_leaves_no_server_launch_or_child(tmp_path):
     assert info["preloaded"] and alive(info["pid"]) and alive(info["server_pid"])
     runner.send_signal(signal.SIGINT)
     output = runner.communicate(timeout=60)[0]
-    assert runner.returncode != 0 and "interrupted" in output
+    assert runner.returncode != 0 and "interrupted" in output, (runner.returncode, output[-4000:])
     assert gone_within(info["pid"], 10) and gone_within(info["server_pid"], 10)
 
 
