@@ -159,11 +159,13 @@ def _pool_plan(env: dict[str, str], packages, cores: int | None) -> tuple[list[s
     host has BYTECODE_POOL_MIN_CORES and the pool has not finished there yet; else None."""
     prefix = env.get("PYTHONPYCACHEPREFIX")
     cores = (os.cpu_count() or 1) if cores is None else cores
-    dirs = package_dirs(packages) if prefix and "PYTHONDONTWRITEBYTECODE" in env else []
+    if not prefix or "PYTHONDONTWRITEBYTECODE" not in env or cores < BYTECODE_POOL_MIN_CORES:
+        return None  # before the packages are looked up: every command on a small host asks
+    dirs = package_dirs(packages)
     key = hashlib.sha256(json.dumps([sys.version, [(d, os.stat(d).st_mtime_ns) for d in dirs]])
                          .encode()).hexdigest()[:16]  # fmt: skip
-    marker = Path(prefix or ".") / f".compiled-{key}"
-    if not dirs or cores < BYTECODE_POOL_MIN_CORES or marker.exists():
+    marker = Path(prefix) / f".compiled-{key}"
+    if not dirs or marker.exists():
         return None
     return dirs, marker
 
@@ -222,14 +224,15 @@ def start_bytecode_pool(packages=BYTECODE_PACKAGES, cores: int | None = None,
         raise SystemExit(REFUSED)
     if when == "arm":
         return None
-    plan = _pool_plan(bytecode_env(), packages, cores)
+    env = bytecode_env()
+    plan = _pool_plan(env, packages, cores)
     if plan is None:
         return None
     dirs, marker = plan
     if marker in _POOLS:
         return _POOLS[marker]
     atexit.register(_end_pools_at_exit)
-    return _start_pool(bytecode_env(), dirs, marker)
+    return _start_pool(env, dirs, marker)
 
 
 @contextlib.contextmanager
