@@ -316,6 +316,7 @@ def test_an_interrupted_sweep_leaves_no_server_launch_or_child(tmp_path):
         [sys.executable, "-m", "moe_perf", *args, "training.max_steps=60", "launcher.preload=true",
          "launcher.preload_modules=[numpy]", "launcher.kill_grace_s=2", "-m", "arm=feat,base"],
         cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as from a terminal
     )  # fmt: skip
     for line in runner.stdout:
         if "[feat] step 2/60" in line:
